@@ -99,6 +99,9 @@ class ESM2PreTrainedModel(FastPLMPreTrainedModel):
 
 
 class ESM2Model(ESM2PreTrainedModel):
+    # Artifacts hold the masked-LM checkpoint; the bare encoder simply does not use its LM head.
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+
     def __init__(self, config: ESM2Config) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)

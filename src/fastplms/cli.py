@@ -1,0 +1,175 @@
+"""The `fastplms` command: build, verify and publish artifacts; embed datasets (not runtime)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import __version__
+
+
+def _progress_bar(stream=sys.stderr):
+    """A one-line TTY progress bar (records, residues/s, ETA); None when not on a terminal."""
+    if not stream.isatty():
+        return None
+    start = time.perf_counter()
+
+    def show(records: int, residues: int, total: int | None) -> None:
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        rate = residues / elapsed
+        if total:
+            width = 30
+            filled = int(width * records / total)
+            eta = elapsed / max(records, 1) * (total - records)
+            bar = "#" * filled + "." * (width - filled)
+            line = f"[{bar}] {records}/{total} records  {rate:,.0f} res/s  ETA {eta:,.0f}s"
+        else:
+            line = f"{records} records  {rate:,.0f} res/s"
+        stream.write("\r" + line.ljust(80))
+        stream.flush()
+
+    return show
+
+
+def _cmd_embed(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModel
+
+    kwargs = {"trust_remote_code": True}
+    if args.backend:
+        kwargs["attn_implementation"] = args.backend
+    model = AutoModel.from_pretrained(args.model, **kwargs).eval()
+    if args.device:
+        model.to(torch.device(args.device))
+    bar = _progress_bar()
+    start = time.perf_counter()
+    result = model.embed_dataset(
+        args.input,
+        max_tokens_per_batch=args.max_tokens,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        pooling=tuple(p for p in args.pooling.split(",") if p),
+        per_residue=args.per_residue,
+        output=args.out,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        invalid=args.invalid,
+        too_long=args.too_long,
+        dtype=args.dtype,
+        progress=bar,
+    )
+    seconds = time.perf_counter() - start
+    if bar:
+        sys.stderr.write("\n")
+    print(f"model        {args.model} ({model.config.family}, {model.attention_backend()}, {args.dtype})")
+    print(f"records      {result.num_records}" + (f" ({result.num_resumed} resumed)" if result.num_resumed else ""))
+    print(f"residues     {result.num_residues}")
+    print(f"time         {seconds:.1f} s")
+    print(f"throughput   {result.num_residues / max(seconds, 1e-9):,.0f} residues/s")
+    print(f"pooling      {', '.join(f'{k} {v.start}:{v.stop}' for k, v in result.pooling_slices.items()) or 'none'}")
+    if result.skipped:
+        print(f"skipped      {len(result.skipped)}: " + "; ".join(f"{i} ({why})" for i, why in result.skipped[:5]))
+    if result.truncated:
+        print(f"truncated    {len(result.truncated)}: {', '.join(result.truncated[:5])}")
+    if result.duplicate_ids:
+        print(f"duplicate ids {len(result.duplicate_ids)}: {', '.join(result.duplicate_ids[:5])} (all kept)")
+    print(f"output       {result.output}")
+    return 0
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from .build import build, build_all
+
+    if args.all:
+        if not args.snapshots:
+            raise SystemExit("--all needs --snapshots <root>")
+        built = build_all(args.snapshots, args.out, allow_unpinned=args.allow_unpinned, force=args.force)
+        for path in built:
+            print(path)
+        if not built:
+            print(f"no snapshot folders named after a manifest checkpoint under {args.snapshots}", file=sys.stderr)
+            return 1
+        return 0
+    if not args.model_id or not args.snapshot:
+        raise SystemExit("usage: fastplms build <model-id> --snapshot <dir> [--out <dir>]")
+    print(build(args.model_id, args.snapshot, args.out, allow_unpinned=args.allow_unpinned, force=args.force))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    problems, report = verify(args.artifact)
+    if report:
+        print(json.dumps(report, indent=2))
+    for problem in problems:
+        print(f"FAIL {problem}", file=sys.stderr)
+    if not problems:
+        print(f"OK {args.artifact}: hashes match provenance; loads offline through every AutoClass")
+    return 1 if problems else 0
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from .publish import publish
+
+    return publish(args.artifact, args.repo, yes=args.yes)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastplms", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fastplms {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    embed = sub.add_parser("embed", help="embed a FASTA/.txt file with a model artifact or Hub id")
+    embed.add_argument("input")
+    embed.add_argument("--model", required=True, help="artifact directory or Hub id")
+    embed.add_argument("--out", required=True, help="output: *.db/*.sqlite (SQLite) or a directory (safetensors)")
+    embed.add_argument("--pooling", default="mean", help="comma-separated: mean,max,min,std,sum,cls,last")
+    embed.add_argument("--per-residue", action="store_true", help="also store per-residue embeddings")
+    embed.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per batch")
+    embed.add_argument("--batch-size", type=int, default=None, help="cap on records per batch")
+    embed.add_argument("--max-length", type=int, default=None, help="residues per sequence")
+    embed.add_argument("--backend", default=None, help="attention backend (default: sdpa)")
+    embed.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    embed.add_argument("--device", default=None, help="torch device, e.g. cuda")
+    embed.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    embed.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    embed.add_argument("--invalid", default="raise", choices=("raise", "skip"), help="bad characters / empty")
+    embed.add_argument("--too-long", default="raise", choices=("raise", "skip", "truncate"))
+    embed.set_defaults(func=_cmd_embed)
+
+    build = sub.add_parser("build", help="build a remote-code artifact from an official snapshot")
+    build.add_argument("model_id", nargs="?", help="checkpoint id or published name, e.g. esm2_8m or ESM2-8M")
+    build.add_argument("--snapshot", help="local copy of the official checkpoint repository")
+    build.add_argument("--out", help="output directory (default dist/hub/<PublishedName>)")
+    build.add_argument("--all", action="store_true", help="build every checkpoint whose snapshot is present")
+    build.add_argument("--snapshots", help="with --all: folder holding one snapshot folder per checkpoint")
+    build.add_argument("--allow-unpinned", action="store_true", help="accept weights that differ from pinned hashes")
+    build.add_argument("--force", action="store_true", help="replace an output folder that is not a previous build")
+    build.set_defaults(func=_cmd_build)
+
+    verify = sub.add_parser("verify", help="re-hash an artifact and load it in a fresh offline process")
+    verify.add_argument("artifact")
+    verify.set_defaults(func=_cmd_verify)
+
+    publish = sub.add_parser("publish", help="upload a verified artifact to the Hub (dry run unless --yes)")
+    publish.add_argument("artifact")
+    publish.add_argument("--repo", required=True, help="target Hub repository, org/name")
+    publish.add_argument("--yes", action="store_true", help="really upload")
+    publish.set_defaults(func=_cmd_publish)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:
+        print(f"fastplms {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

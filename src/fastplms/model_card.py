@@ -1,0 +1,117 @@
+"""Model cards (README.md of an artifact), generated from the manifest and measured parity (not runtime)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from .manifest import REPO_ROOT, Checkpoint, Family
+
+PARITY_DIR = REPO_ROOT / "reports" / "parity"
+
+
+def parity_records(family_id: str, checkpoint_id: str) -> list[dict]:
+    """Measured parity records of one checkpoint (empty when none were measured)."""
+    path = PARITY_DIR / f"{family_id}.json"
+    if not path.is_file():
+        return []
+    report = json.loads(path.read_text())
+    return [r for r in report.get("records", []) if r.get("checkpoint") == checkpoint_id]
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.2e}" if isinstance(value, float) else ("—" if value is None else str(value))
+
+
+def _parity_section(family: Family, checkpoint: Checkpoint) -> str:
+    records = parity_records(family.id, checkpoint.id)
+    measured = [r for r in records if "logits" in r]
+    if not measured:
+        return (
+            "No forward parity was measured at these dimensions (conversion key and shape checks only); "
+            f"see the measured {family.name} checkpoints in the fastplms support matrix.\n"
+        )
+    lines = [
+        "Measured against the official implementation on seeded weights at this checkpoint's real "
+        "dimensions, over valid residues (`python -m tools.measure_parity`):\n",
+        "| oracle | backend | dtype | logits rel. L2 | logits max abs | worst hidden-state rel. L2 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sorted(measured, key=lambda r: (r["oracle"], r["dtype"], r["backend"])):
+        logits = r["logits"]
+        hidden = r.get("hidden_states", {})
+        lines.append(
+            f"| {r['oracle']} | `{r['backend']}` | {r['dtype']} | {_fmt(logits.get('relative_l2'))} | "
+            f"{_fmt(logits.get('max_abs'))} | {_fmt(hidden.get('worst_relative_l2'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_model_card(family: Family, checkpoint: Checkpoint, provenance: Mapping[str, object]) -> str:
+    source = provenance["source"]
+    origin = source["repo"] or source["file"]
+    official = provenance["official_weights"]
+    warning = (
+        ""
+        if official
+        else (
+            "> **These weights are not the pinned official ones.** The snapshot's files differ from the hashes "
+            f"recorded for `{origin}` ({', '.join(provenance['unpinned_files']) or 'no pinned hashes'}); "
+            "they may be a fine-tune, a test snapshot or random weights.\n\n"
+        )
+    )
+    backends = ", ".join(f"`{b}`" for b in family.backends)
+    autos = "\n".join(f"| `{name}` | `{target}` |" for name, target in family.auto_classes.items())
+    return f"""---
+license: {checkpoint.license.lower()}
+library_name: transformers
+tags: [protein, protein-language-model, fastplms, {family.id}]
+---
+
+# {checkpoint.published}
+
+{warning}{family.description}
+
+This repository is the fastplms build of `{checkpoint.id}` ({checkpoint.num_layers} layers, hidden size
+{checkpoint.hidden_size}, {checkpoint.num_heads} attention heads), converted from `{origin}`
+(revision `{source["revision"] or "n/a"}`) with transform `{provenance["transform"]}` by {provenance["builder"]}.
+License: {checkpoint.license}. Official implementation: `{family.upstream.repo}`.
+
+## Use
+
+```python
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+model = AutoModelForMaskedLM.from_pretrained("<this repo>", trust_remote_code=True, attn_implementation="sdpa")
+tokenizer = AutoTokenizer.from_pretrained("<this repo>", trust_remote_code=True)
+batch = tokenizer(["MKTAYIAKQRQISFVKSHFSRQ"], return_tensors="pt")
+logits = model(**batch).logits
+model.set_attn_implementation("flex_attention")  # switch backends at runtime
+
+# embed a whole FASTA file (mean-pooled, special tokens excluded)
+result = model.embed_dataset("proteins.fasta", pooling=("mean",))
+```
+
+## Attention backends
+
+Declared: {backends}. Any other name raises. `output_attentions=True` runs eager for that call with
+one warning. FlashAttention needs CUDA and BF16 (FP32 parameters under `torch.autocast("cuda",
+dtype=torch.bfloat16)`) and the pinned kernels in `kernels.lock` (`pip install "kernels>=0.15.2,<0.16"`,
+then `kernels download .` in a clone of this repository to bake them into an image).
+Dtypes: {", ".join(family.dtypes)} (BF16 policy: `{family.bf16}`).
+
+## Parity
+
+{_parity_section(family, checkpoint)}
+## AutoClasses
+
+| AutoClass | class |
+|---|---|
+{autos}
+
+## Citation
+
+```bibtex
+{family.citation.strip()}
+```
+"""

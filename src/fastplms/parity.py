@@ -1,0 +1,350 @@
+"""Parity of our models against the official implementations (not a runtime module).
+
+The one place that measures parity; tests, `tools/measure_parity.py` and the generated docs all read
+what it returns. For ESM2 the oracles are Transformers' `EsmForMaskedLM` (fed the `facebook/esm2_*`
+layout) and fair-esm's `ESM2` (fed the original `.pt` layout). Weights are the seeded official-layout
+tensors of `esm2_reference` at a checkpoint's real dims, taken from its manifest. Ours is converted
+from each oracle's own files (`from_transformers` / `from_fair_esm`), never from the other layout, so a
+passing record proves that conversion as well as the forward.
+
+Every metric is taken over valid positions only: non-padding tokens for logits and hidden states
+(`<cls>` and `<eos>` included, which only makes the check stricter), pairs of real residues for contacts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .configuration_esm2 import ESM2Config
+from .conversion import load_weights
+from .convert_esm2 import from_fair_esm, from_transformers
+from .esm2_reference import (
+    fair_esm2_key,
+    hf_esm2_spec,
+    load_fair_esm_local,
+    rotary_inv_freq,
+    write_fair_esm_pt,
+    write_hf_snapshot,
+)
+from .manifest import MANIFEST_DIR, Checkpoint, Family, load_manifest
+from .modeling_esm2 import RESIDUES, ESM2ForMaskedLM
+from .tokenization_esm import ESM2_VOCAB
+from .validation import max_abs, parity_report, relative_l2
+
+__all__ = [
+    "ESM2_BACKENDS",
+    "ESM2_ORACLES",
+    "FORWARD_PARAMETER_LIMIT",
+    "PANEL_LENGTHS",
+    "check_esm2_conversion_shapes",
+    "esm2_checkpoint",
+    "esm2_panel",
+    "esm2_parameter_count",
+    "forward_feasible",
+    "measure_esm2",
+]
+
+PANEL_LENGTHS = (1, 12, 37, 120, 250)
+ESM2_BACKENDS = ("eager", "sdpa", "flex_attention")
+ESM2_ORACLES = ("transformers", "fair-esm")
+# Largest checkpoint whose full parity run (two oracles, three backends, FP32 + BF16) fits a 2-core,
+# 24 GB CPU machine in minutes: ESM2-150M. Bigger ones get the conversion shape check instead.
+FORWARD_PARAMETER_LIMIT = 200_000_000
+
+_IDS = {token: i for i, token in enumerate(ESM2_VOCAB)}
+CLS_ID, PAD_ID, EOS_ID, MASK_ID = _IDS["<cls>"], _IDS["<pad>"], _IDS["<eos>"], _IDS["<mask>"]
+_RESIDUE_IDS = torch.tensor([_IDS[r] for r in RESIDUES])
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def esm2_checkpoint(checkpoint_id: str, manifests_dir: str | Path = MANIFEST_DIR) -> tuple[Family, Checkpoint]:
+    family = load_manifest(Path(manifests_dir) / "esm2.toml", resolve=False)
+    return family, family.checkpoint(checkpoint_id)
+
+
+def esm2_parameter_count(checkpoint: Checkpoint) -> int:
+    """Parameters of the official layout at the checkpoint's dims (rotary buffers excluded)."""
+    spec = hf_esm2_spec(checkpoint.num_layers, checkpoint.hidden_size, checkpoint.num_heads)
+    return sum(math.prod(shape) for key, shape in spec.items() if not key.endswith("inv_freq"))
+
+
+def forward_feasible(checkpoint: Checkpoint) -> bool:
+    """Whether a full forward parity run of this checkpoint fits the CPU machines here."""
+    return esm2_parameter_count(checkpoint) <= FORWARD_PARAMETER_LIMIT
+
+
+# --------------------------------------------------------------------------- panel
+
+
+def esm2_panel(
+    seed: int = 0, lengths: Sequence[int] = PANEL_LENGTHS, mask_fraction: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch of ESM2 inputs: `<cls>` residues `<eos>`, right-padded with `<pad>`.
+
+    The longest sequence holds every one of the 25 residue letters; `<mask>` tokens replace about
+    `mask_fraction` of the residues of every sequence longer than one residue (at least one each), which
+    exercises the token-dropout rescaling per row. The single-residue sequence stays unmasked.
+    """
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"panel lengths must be positive, got {lengths}")
+    if max(lengths) < len(RESIDUES):
+        raise ValueError(f"the longest panel sequence must hold all {len(RESIDUES)} residues, got {max(lengths)}")
+    generator = torch.Generator().manual_seed(seed)
+    seq = max(lengths) + 2
+    input_ids = torch.full((len(lengths), seq), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), seq), dtype=torch.long)
+    covering_row = lengths.index(max(lengths))
+    for row, n in enumerate(lengths):
+        letters = torch.randint(len(RESIDUES), (n,), generator=generator)
+        protected = torch.zeros(n, dtype=torch.bool)
+        if row == covering_row:
+            where = torch.randperm(n, generator=generator)[: len(RESIDUES)]
+            letters[where] = torch.arange(len(RESIDUES))
+            protected[where] = True
+        ids = _RESIDUE_IDS[letters]
+        if n > 1:
+            candidates = (~protected).nonzero().flatten()
+            count = min(len(candidates), max(1, round(n * mask_fraction)))
+            ids[candidates[torch.randperm(len(candidates), generator=generator)[:count]]] = MASK_ID
+        input_ids[row, 0] = CLS_ID
+        input_ids[row, 1 : n + 1] = ids
+        input_ids[row, n + 1] = EOS_ID
+        attention_mask[row, : n + 2] = 1
+    return input_ids, attention_mask
+
+
+def _contact_pairs(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(batch, seq-2, seq-2) bool: both positions are real residues (specials and padding dropped)."""
+    residues = attention_mask.sum(-1) - 2
+    valid = torch.arange(attention_mask.shape[1] - 2)[None, :] < residues[:, None]
+    return valid[:, :, None] & valid[:, None, :]
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclass
+class _Outputs:
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+    contacts: torch.Tensor
+
+
+@torch.inference_mode()
+def _run_transformers(snapshot: Path, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> _Outputs:
+    from transformers import EsmForMaskedLM
+
+    # Eager: the definition, and the only Transformers backend that returns attention maps for contacts.
+    model = EsmForMaskedLM.from_pretrained(snapshot, attn_implementation="eager", dtype=torch.float32).eval()
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    contacts = model.predict_contacts(input_ids, attention_mask)
+    return _Outputs(out.logits, tuple(out.hidden_states), contacts)
+
+
+@torch.inference_mode()
+def _run_fair_esm(checkpoint_pt: Path, input_ids: torch.Tensor, num_layers: int) -> _Outputs:
+    model, _alphabet = load_fair_esm_local(checkpoint_pt)
+    model.eval()
+    # fair-esm derives padding from the <pad> id itself; the panel is right-padded with it.
+    out = model(input_ids, repr_layers=list(range(num_layers + 1)), return_contacts=True)
+    hidden = tuple(out["representations"][i] for i in range(num_layers + 1))
+    return _Outputs(out["logits"], hidden, out["contacts"])
+
+
+def _build_ours(converted: dict[str, torch.Tensor], checkpoint: Checkpoint) -> ESM2ForMaskedLM:
+    config = ESM2Config(
+        hidden_size=checkpoint.hidden_size,
+        num_hidden_layers=checkpoint.num_layers,
+        num_attention_heads=checkpoint.num_heads,
+    )
+    model = ESM2ForMaskedLM(config)
+    model.load_state_dict(converted, strict=True)
+    return model.eval()
+
+
+@torch.inference_mode()
+def _run_ours(
+    model: ESM2ForMaskedLM,
+    backend: str,
+    dtype: str,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    contacts: torch.Tensor | None,
+) -> _Outputs:
+    model.set_attn_implementation(backend)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+    with autocast:
+        out = model(input_ids, attention_mask, output_hidden_states=True)
+        if contacts is None:
+            contacts = model.predict_contacts(input_ids, attention_mask)
+    return _Outputs(out.logits, tuple(out.hidden_states), contacts)
+
+
+def _compare(ours: _Outputs, ref: _Outputs, attention_mask: torch.Tensor) -> dict[str, object]:
+    valid = attention_mask.bool()
+    if len(ours.hidden_states) != len(ref.hidden_states):
+        raise ValueError(f"ours has {len(ours.hidden_states)} hidden states, the oracle {len(ref.hidden_states)}")
+    states = list(zip(ours.hidden_states, ref.hidden_states, strict=True))
+    per_state = [relative_l2(a, b, valid) for a, b in states]
+    # NaN ranks worst, so a broken state is the one reported.
+    worst = max(range(len(per_state)), key=lambda i: (math.isnan(per_state[i]), per_state[i]))
+    pairs = _contact_pairs(attention_mask)
+    ours_contacts, ref_contacts = ours.contacts[pairs][None], ref.contacts[pairs][None]
+    return {
+        "logits": parity_report(ours.logits, ref.logits, valid, logits=True),
+        "hidden_states": {
+            "count": len(per_state),
+            "worst_relative_l2": per_state[worst],
+            "worst_index": worst,
+            "worst_max_abs": max(max_abs(a, b, valid) for a, b in states),
+        },
+        "contacts": {
+            "max_abs": max_abs(ours_contacts, ref_contacts),
+            "relative_l2": relative_l2(ours_contacts, ref_contacts),
+        },
+    }
+
+
+def _dtypes(dtype: str | Iterable[str]) -> tuple[str, ...]:
+    dtypes = (dtype,) if isinstance(dtype, str) else tuple(dtype)
+    for name in dtypes:
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; measured dtypes: {', '.join(_DTYPES)}")
+    return dtypes
+
+
+def measure_esm2(
+    checkpoint_id: str,
+    *,
+    backends: Sequence[str] = ESM2_BACKENDS,
+    dtype: str | Sequence[str] = "float32",
+    oracles: Sequence[str] = ESM2_ORACLES,
+    seed: int = 0,
+    lengths: Sequence[int] = PANEL_LENGTHS,
+    manifests_dir: str | Path = MANIFEST_DIR,
+) -> list[dict[str, object]]:
+    """One record per (oracle, backend, dtype): ours vs the FP32 oracle on `esm2_panel(seed, lengths)`.
+
+    `dtype` is one name or several. `bfloat16` runs ours with FP32 parameters under CPU BF16 autocast
+    (the family's declared policy) and compares it with the same FP32 oracle outputs.
+    Contacts always run eager attention (they are built from attention maps), in ours and in both
+    oracles, so they are the same for every backend of one (oracle, dtype).
+    """
+    family, checkpoint = esm2_checkpoint(checkpoint_id, manifests_dir)
+    for oracle in oracles:
+        if oracle not in ESM2_ORACLES:
+            raise ValueError(f"unknown oracle {oracle!r}; valid: {', '.join(ESM2_ORACLES)}")
+    for backend in backends:
+        if backend not in family.backends:
+            raise ValueError(f"backend {backend!r} is not declared for ESM2; declared: {', '.join(family.backends)}")
+    dtypes = _dtypes(dtype)
+    dims = (checkpoint.num_layers, checkpoint.hidden_size, checkpoint.num_heads)
+    input_ids, attention_mask = esm2_panel(seed, lengths)
+    panel = {"seed": seed, "lengths": list(lengths), "masked": int((input_ids == MASK_ID).sum())}
+    records: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="fastplms-parity-") as tmp:
+        for oracle in oracles:
+            if oracle == "transformers":
+                snapshot = write_hf_snapshot(Path(tmp) / "hf", *dims, seed=seed)
+                ref = _run_transformers(snapshot, input_ids, attention_mask)
+                # The very bytes the oracle loaded, converted by our Transformers-layout transform.
+                state = load_weights(snapshot / "model.safetensors")
+                converted = from_transformers(state, checkpoint.num_heads)
+                oracle_backend = "eager"
+            else:
+                checkpoint_pt = write_fair_esm_pt(Path(tmp) / "fair", *dims, seed=seed)
+                ref = _run_fair_esm(checkpoint_pt, input_ids, checkpoint.num_layers)
+                regression = checkpoint_pt.with_name(f"{checkpoint_pt.stem}-contact-regression.pt")
+                state = load_weights(checkpoint_pt)
+                converted = from_fair_esm(state, checkpoint.num_heads, contact=load_weights(regression))
+                oracle_backend = "native"
+            ours_model = _build_ours(converted, checkpoint)
+            del state, converted
+            gc.collect()
+            for name in dtypes:
+                contacts = None  # backend-independent (always eager): computed once per dtype
+                for backend in backends:
+                    ours = _run_ours(ours_model, backend, name, input_ids, attention_mask, contacts)
+                    contacts = ours.contacts
+                    records.append(
+                        {
+                            "kind": "forward",
+                            "checkpoint": checkpoint.id,
+                            "dims": dict(zip(("layers", "hidden", "heads"), dims, strict=True)),
+                            "oracle": oracle,
+                            "oracle_backend": oracle_backend,
+                            "backend": backend,
+                            "dtype": name,
+                            "panel": panel,
+                            **_compare(ours, ref, attention_mask),
+                        }
+                    )
+                    del ours
+            del ours_model, ref
+            gc.collect()
+            for path in Path(tmp).iterdir():  # big checkpoints: never keep both layouts on disk at once
+                shutil.rmtree(path)
+    return records
+
+
+# --------------------------------------------------------------------------- conversion only
+
+
+def check_esm2_conversion_shapes(checkpoint_id: str, manifests_dir: str | Path = MANIFEST_DIR) -> dict[str, object]:
+    """Convert the official key/shape layout at real dims without allocating weights; compare with ours.
+
+    Both official layouts are built from meta tensors (only the rotary `inv_freq` buffers are real,
+    since the transform checks their values) and converted; each result must have exactly the keys and
+    shapes of `ESM2ForMaskedLM(config).state_dict()` built on the meta device.
+    """
+    _family, checkpoint = esm2_checkpoint(checkpoint_id, manifests_dir)
+    layers, hidden, heads = checkpoint.num_layers, checkpoint.hidden_size, checkpoint.num_heads
+    spec = hf_esm2_spec(layers, hidden, heads)
+    inv_freq = rotary_inv_freq(hidden // heads)
+    hf_state = {
+        key: inv_freq.clone() if key.endswith("inv_freq") else torch.empty(shape, device="meta")
+        for key, shape in spec.items()
+    }
+    fair_state = {fair_esm2_key(key): value for key, value in hf_state.items()}
+    contact = {key: fair_state.pop(key) for key in list(fair_state) if key.startswith("contact_head.")}
+    config = ESM2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
+    with torch.device("meta"):
+        expected = {key: tuple(value.shape) for key, value in ESM2ForMaskedLM(config).state_dict().items()}
+    problems: list[str] = []
+    converted_by = {
+        "transformers": from_transformers(hf_state, heads),
+        "fair-esm": from_fair_esm(fair_state, heads, contact=contact),
+    }
+    for layout, converted in converted_by.items():
+        got = {key: tuple(value.shape) for key, value in converted.items()}
+        problems += [f"{layout}: missing {key}" for key in sorted(expected.keys() - got.keys())]
+        problems += [f"{layout}: unexpected {key}" for key in sorted(got.keys() - expected.keys())]
+        problems += [
+            f"{layout}: {key} has shape {got[key]}, ours {expected[key]}"
+            for key in sorted(expected.keys() & got.keys())
+            if got[key] != expected[key]
+        ]
+        problems += [f"{layout}: {key} was materialized" for key, value in converted.items() if not value.is_meta]
+    return {
+        "kind": "conversion_shapes",
+        "checkpoint": checkpoint.id,
+        "dims": {"layers": layers, "hidden": hidden, "heads": heads},
+        "layouts": sorted(converted_by),
+        "keys": len(expected),
+        "parameters": sum(math.prod(shape) for shape in expected.values()),
+        "ok": not problems,
+        "problems": problems,
+    }

@@ -1,0 +1,118 @@
+"""Verify a built artifact: every file against its provenance, then a real load in a fresh process.
+
+The load runs with HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1 and the fastplms package made
+unimportable, through every AutoClass in the config's auto_map, exactly as a user would load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .build import PROVENANCE, sha256_file
+
+# Runs in the fresh process. A meta-path finder refuses `fastplms`, so the artifact can only work
+# through its own copied runtime modules.
+LOAD_SCRIPT = r"""
+import importlib.abc, json, sys
+
+class _NoFastplms(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fastplms" or name.startswith("fastplms."):
+            raise ImportError("fastplms is deliberately unimportable while verifying an artifact")
+        return None
+
+sys.meta_path.insert(0, _NoFastplms())
+try:
+    import fastplms  # noqa: F401
+    raise SystemExit("fastplms was importable; the check would prove nothing")
+except ImportError:
+    pass
+
+import torch
+import transformers
+
+artifact = sys.argv[1]
+report = {"auto_classes": {}}
+config = transformers.AutoConfig.from_pretrained(artifact, trust_remote_code=True)
+report["config_class"] = type(config).__module__ + "." + type(config).__name__
+tok = transformers.AutoTokenizer.from_pretrained(artifact, trust_remote_code=True)
+batch = tok(["MKTAYIAKQRQISFVKSHFSRQ", "MLV"], padding=True, return_tensors="pt")
+report["tokenizer"] = type(tok).__name__
+for name in sorted(config.auto_map):
+    if name in ("AutoConfig", "AutoTokenizer"):
+        continue
+    cls = getattr(transformers, name)
+    model = cls.from_pretrained(artifact, trust_remote_code=True).eval()
+    if "fastplms" in sys.modules:
+        raise SystemExit("fastplms was imported during loading")
+    with torch.no_grad():
+        out = model(**batch)
+    tensor = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    report["auto_classes"][name] = {
+        "class": type(model).__name__, "module": type(model).__module__,
+        "output_shape": list(tensor.shape), "finite": bool(torch.isfinite(tensor).all()),
+    }
+print("FASTPLMS-VERIFY " + json.dumps(report))
+"""
+
+
+def check_hashes(artifact: Path) -> list[str]:
+    """Problems found re-hashing `artifact` against its provenance record."""
+    record_path = artifact / PROVENANCE
+    if not record_path.is_file():
+        return [f"{artifact} has no {PROVENANCE}; it is not a fastplms build"]
+    record = json.loads(record_path.read_text())
+    expected = record.get("files", {})
+    present = {p.relative_to(artifact).as_posix() for p in artifact.rglob("*") if p.is_file() and p.name != PROVENANCE}
+    problems = [f"missing file: {name}" for name in sorted(set(expected) - present)]
+    problems += [f"file not in provenance: {name}" for name in sorted(present - set(expected))]
+    problems += [
+        f"hash mismatch: {name}"
+        for name in sorted(set(expected) & present)
+        if sha256_file(artifact / name) != expected[name]
+    ]
+    return problems
+
+
+def load_in_fresh_process(artifact: Path, timeout: float = 900) -> dict:
+    """Load the artifact through every AutoClass in a fresh offline process without fastplms."""
+    with tempfile.TemporaryDirectory() as modules:
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_MODULES_CACHE": modules,
+            "PYTHONPATH": "",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", LOAD_SCRIPT, str(artifact.resolve())],
+            env=env,
+            cwd=modules,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+    for line in proc.stdout.splitlines():
+        if line.startswith("FASTPLMS-VERIFY "):
+            return json.loads(line.removeprefix("FASTPLMS-VERIFY "))
+    raise RuntimeError(f"loading {artifact} in a fresh process failed:\n{proc.stderr[-4000:]}")
+
+
+def verify(artifact: str | Path) -> tuple[list[str], dict | None]:
+    """(problems, load report). No problems means the artifact is intact and loads offline."""
+    artifact = Path(artifact)
+    problems = check_hashes(artifact)
+    if problems:
+        return problems, None
+    try:
+        report = load_in_fresh_process(artifact)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return [str(exc)], None
+    problems += [f"{name}: non-finite output" for name, r in report["auto_classes"].items() if not r["finite"]]
+    return problems, report
