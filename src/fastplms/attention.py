@@ -230,7 +230,10 @@ def _block_mask_from_state(state: MaskState, length: int | None = None):
     # Keyed by shape; reused only when the content is identical (all layers of one forward).
     if cached is not None and torch.equal(cached[0], valid) and torch.equal(cached[1], ids):
         return cached[2]
-    block = create_block_mask(_mask_mod(state), b, None, s, s, device=valid.device)
+    # Private copies: `valid`/`ids` may alias the caller's tensors, which a caller may refill in place;
+    # the cache check above and the block's mask_mod must keep seeing the content it was built from.
+    valid, ids = valid.clone(), ids.clone()
+    block = create_block_mask(_mask_mod(MaskState(valid, ids, semantics)), b, None, s, s, device=valid.device)
     _block_masks[key] = (valid, ids, block)
     return block
 
@@ -419,8 +422,11 @@ def attention(
     else:
         if state.semantics == "block_causal":
             raise ValueError(f"{backend} cannot express block_causal masks; use sdpa or flex_attention.")
+        # Only `sequence` separates sequence ids; `padding` and `causal` see across them (as the dense
+        # oracle does), so they pack one segment per row.
+        packed = state if state.semantics == "sequence" else state._replace(ids=torch.where(state.valid, 0, -1))
         out = adapter(
-            q, k, v, _varlen_from_state(state), scale, state.semantics == "causal", backend, flash_lockfile
+            q, k, v, _varlen_from_state(packed), scale, state.semantics == "causal", backend, flash_lockfile
         )
     out = out.transpose(1, 2).masked_fill(~state.valid[:, :, None, None], 0.0)
     return (out, probs) if return_probs else out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -129,6 +130,31 @@ def _require(snapshot: Path, names: Iterable[str], what: str) -> dict[str, Path]
     return found
 
 
+def _read_hub_weights(snapshot: Path, formats: Iterable[str]) -> tuple[dict[str, Path], dict[str, torch.Tensor]]:
+    """Weights of a Hub snapshot: a sharded index or a single file, in the first of `formats` present."""
+    from .conversion import load_weights
+
+    names = {
+        "safetensors": ("model.safetensors", "model.safetensors.index.json"),
+        "bin": ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    }
+    formats = tuple(formats)
+    state: dict[str, torch.Tensor] = {}
+    for fmt in formats:
+        single, index_name = names[fmt]
+        if (snapshot / index_name).is_file():
+            index = json.loads((snapshot / index_name).read_text())
+            shards = sorted(set(index["weight_map"].values()))
+            files = _require(snapshot, [index_name, *shards], "sharded weights")
+            for shard in shards:
+                state.update(load_weights(files[shard]))
+            return files, state
+        if (snapshot / single).is_file():
+            return {single: snapshot / single}, load_weights(snapshot / single)
+    wanted = " or ".join(names[fmt][0] for fmt in formats)
+    raise BuildError(f"snapshot {snapshot} has no {wanted} (single or sharded)")
+
+
 def _esm2_read_snapshot(snapshot: Path, family: Family, checkpoint: Checkpoint):
     from .conversion import load_weights
     from .convert_esm2 import from_fair_esm, from_transformers
@@ -156,25 +182,8 @@ def _esm2_read_snapshot(snapshot: Path, family: Family, checkpoint: Checkpoint):
     wrong = [f"{k} is {config.get(k)!r}, expected {v}" for k, v in expected.items() if config.get(k) != v]
     if wrong:
         raise BuildError(f"snapshot config.json does not match {checkpoint.id}: {'; '.join(wrong)}")
-    files = {"config.json": snapshot / "config.json"}
-    state: dict[str, torch.Tensor] = {}
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (snapshot / index_name).is_file():
-            index = json.loads((snapshot / index_name).read_text())
-            shards = sorted(set(index["weight_map"].values()))
-            files |= _require(snapshot, [index_name, *shards], "sharded weights")
-            for shard in shards:
-                state.update(load_weights(files[shard]))
-            break
-    else:
-        for name in ("model.safetensors", "pytorch_model.bin"):
-            if (snapshot / name).is_file():
-                files[name] = snapshot / name
-                state = load_weights(files[name])
-                break
-        else:
-            raise BuildError(f"snapshot {snapshot} has no model.safetensors or pytorch_model.bin")
-    return source, files, from_transformers(state, checkpoint.num_heads)
+    files, state = _read_hub_weights(snapshot, ("safetensors", "bin"))
+    return source, {"config.json": snapshot / "config.json", **files}, from_transformers(state, checkpoint.num_heads)
 
 
 def _esm2_config(family: Family, checkpoint: Checkpoint):
@@ -191,11 +200,74 @@ def _esm2_config(family: Family, checkpoint: Checkpoint):
     )
 
 
+# Names Hub configs use for ESMC's dimensions: the Transformers port has used both spellings.
+_ESMC_CONFIG_DIMS = {
+    "num_layers": ("n_layers", "num_hidden_layers"),
+    "hidden_size": ("d_model", "hidden_size"),
+    "num_heads": ("n_heads", "num_attention_heads"),
+}
+
+
+def _esmc_read_snapshot(snapshot: Path, family: Family, checkpoint: Checkpoint):
+    """EvolutionaryScale `esm` layout (the .pth at the source's `file`) or a Biohub safetensors snapshot."""
+    from .conversion import load_weights
+    from .convert_esmc import dims, from_biohub, from_esm
+
+    esm = next((s for s in checkpoint.sources if s.kind == "esm"), None)
+    if esm is not None and (snapshot / esm.file).is_file():
+        files = {esm.file: snapshot / esm.file}
+        source, state = esm, from_esm(load_weights(files[esm.file]))
+    else:
+        biohub = next((s for s in checkpoint.sources if s.kind == "biohub"), None)
+        if biohub is None or not (snapshot / "config.json").is_file():
+            expected = [f"an esm snapshot of {esm.repo} ({esm.file})"] if esm is not None else []
+            if biohub is not None:
+                expected.append(f"a Biohub snapshot of {biohub.repo} (config.json + safetensors)")
+            raise BuildError(f"snapshot {snapshot} is not {' nor '.join(expected) or 'a known ESMC layout'}")
+        config = json.loads((snapshot / "config.json").read_text())
+        wrong = []
+        for attr, names in _ESMC_CONFIG_DIMS.items():
+            found = [(name, config[name]) for name in names if name in config]
+            want = getattr(checkpoint, attr)
+            wrong += [f"{name} is {value!r}, expected {want}" for name, value in found if value != want]
+        if config.get("vocab_size", 64) != 64:
+            wrong.append(f"vocab_size is {config['vocab_size']!r}, expected 64")
+        if wrong:
+            raise BuildError(f"snapshot config.json does not match {checkpoint.id}: {'; '.join(wrong)}")
+        files, raw = _read_hub_weights(snapshot, ("safetensors",))
+        files = {"config.json": snapshot / "config.json", **files}
+        source, state = biohub, from_biohub(raw)
+    layers, hidden = dims(state)
+    if (layers, hidden) != (checkpoint.num_layers, checkpoint.hidden_size):
+        raise BuildError(
+            f"snapshot weights have {layers} layers, hidden size {hidden}; {checkpoint.id} has "
+            f"{checkpoint.num_layers} layers, hidden size {checkpoint.hidden_size}"
+        )
+    return source, files, state
+
+
+def _esmc_config(family: Family, checkpoint: Checkpoint):
+    from .configuration_esmc import ESMCConfig
+
+    return ESMCConfig(
+        hidden_size=checkpoint.hidden_size,
+        num_hidden_layers=checkpoint.num_layers,
+        num_attention_heads=checkpoint.num_heads,
+        allowed_backends=list(family.backends),
+        allowed_dtypes=list(family.dtypes),
+        bf16_policy=family.bf16,
+        family=family.name,
+    )
+
+
 def _family_builds() -> dict[str, FamilyBuild]:
-    from .tokenization_esm import ESM2_VOCAB
+    from .tokenization_esm import ESM2_VOCAB, ESMC_VOCAB
 
     return {
         "esm2": FamilyBuild(_esm2_read_snapshot, _esm2_config, ESM2_VOCAB, "tokenization_esm", 1026),
+        # ESMC has no position limit (rotary only); 2048 tokens is the nominal length its Biohub configs
+        # and hosted APIs use, and what the tokenizer truncates to when asked.
+        "esmc": FamilyBuild(_esmc_read_snapshot, _esmc_config, ESMC_VOCAB, "tokenization_esm", 2048),
     }
 
 
@@ -289,17 +361,16 @@ def build(
     config = spec.make_config(family, checkpoint)
     entries = {target.split(".")[0] for target in family.auto_classes.values()} | {spec.tokenizer_module}
 
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{checkpoint.published}-", dir=out.parent if out.parent.exists() else None)
-    )
+    # Stage beside `out`: os.replace cannot move a folder across filesystems (e.g. out of a tmpfs /tmp).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{checkpoint.published}-", dir=out.parent))
     try:
         for module in runtime_closure(entries):
             shutil.copyfile(RUNTIME_DIR / f"{module}.py", staging / f"{module}.py")
         _write_config(config, family, staging)
         weight_files = _write_weights(state, staging)
-        from .tokenization_esm import tokenizer_files
-
-        tokenizer_files(staging, spec.vocab, spec.model_max_length)
+        tokenizer = importlib.import_module(f"{__package__}.{spec.tokenizer_module}")
+        tokenizer.tokenizer_files(staging, spec.vocab, spec.model_max_length)
         shutil.copyfile(REPO_ROOT / "kernels.lock", staging / "kernels.lock")
         provenance = {
             "checkpoint": checkpoint.id,
@@ -311,6 +382,7 @@ def build(
                 "revision": source.revision,
                 "file": source.file,
                 "url": source.url,
+                "license": source.license or checkpoint.license,
             },
             "official_weights": pinned,
             "unpinned_files": sorted(mismatched),

@@ -94,7 +94,9 @@ def _num_layers(state: Mapping[str, torch.Tensor], pattern: str) -> int:
 def _check_inv_freq(state: Mapping[str, torch.Tensor], head_dim: int, source: str) -> None:
     expected = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     for key, value in state.items():
-        if key.endswith("inv_freq") and not torch.allclose(value.float(), expected, rtol=1e-5, atol=0):
+        if key.endswith("inv_freq") and (
+            value.shape != expected.shape or not torch.allclose(value.float(), expected, rtol=1e-5, atol=0)
+        ):
             raise ConversionError(f"{source} state dict: {key} is not the ESM2 rotary inv_freq for head_dim {head_dim}")
 
 
@@ -122,9 +124,10 @@ def _finish(state: dict[str, torch.Tensor], num_heads: int, source: str) -> dict
 def from_transformers(state: Mapping[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
     """`facebook/esm2_*` EsmForMaskedLM layout (LayerNorm weight/bias or gamma/beta) -> ours."""
     num_layers = _num_layers(state, r"^esm\.encoder\.layer\.(\d+)\.")
-    hidden = state["esm.embeddings.word_embeddings.weight"].shape[1]
-    _check_inv_freq(state, hidden // num_heads, "Transformers ESM2")
+    # Renamed (and so checked for completeness) first: a missing embedding is a listed ConversionError.
     renamed = rename_strict(state, rule_renamer(_HF_RULES), _intermediate_keys(num_layers), source="Transformers ESM2")
+    hidden = renamed["esm.embed_tokens.weight"].shape[1]
+    _check_inv_freq(state, hidden // num_heads, "Transformers ESM2")
     return _finish(renamed, num_heads, "Transformers ESM2")
 
 
@@ -134,7 +137,7 @@ def from_fair_esm(
     """fair-esm ESM2 `.pt` layout (plus its `-contact-regression.pt` tensors) -> ours."""
     merged = {**state, **(contact or {})}
     num_layers = _num_layers(merged, r"layers\.(\d+)\.")
-    hidden = merged[next(k for k in merged if k.endswith("embed_tokens.weight"))].shape[1]
-    _check_inv_freq(merged, hidden // num_heads, "fair-esm ESM2")
     renamed = rename_strict(merged, rule_renamer(_FAIR_RULES), _intermediate_keys(num_layers), source="fair-esm ESM2")
+    hidden = renamed["esm.embed_tokens.weight"].shape[1]
+    _check_inv_freq(merged, hidden // num_heads, "fair-esm ESM2")
     return _finish(renamed, num_heads, "fair-esm ESM2")

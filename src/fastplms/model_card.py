@@ -47,6 +47,18 @@ def _parity_section(family: Family, checkpoint: Checkpoint) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Hub license identifiers we may name directly; anything else is "other" with its name spelled out.
+_HUB_LICENSES = {"mit": "mit", "apache-2.0": "apache-2.0", "apache 2.0": "apache-2.0", "cc-by-4.0": "cc-by-4.0"}
+
+
+def _license_metadata(name: str) -> str:
+    known = _HUB_LICENSES.get(name.strip().lower())
+    if known is not None:
+        return f"license: {known}"
+    slug = "-".join(name.lower().split())
+    return f"license: other\nlicense_name: {slug}"
+
+
 def render_model_card(family: Family, checkpoint: Checkpoint, provenance: Mapping[str, object]) -> str:
     source = provenance["source"]
     origin = source["repo"] or source["file"]
@@ -60,10 +72,13 @@ def render_model_card(family: Family, checkpoint: Checkpoint, provenance: Mappin
             "they may be a fine-tune, a test snapshot or random weights.\n\n"
         )
     )
+    # A source may publish the same weights under its own license (e.g. Biohub's MIT re-release of ESMC).
+    license_name = source.get("license") or checkpoint.license
+    license_meta = _license_metadata(license_name)
     backends = ", ".join(f"`{b}`" for b in family.backends)
     autos = "\n".join(f"| `{name}` | `{target}` |" for name, target in family.auto_classes.items())
     return f"""---
-license: {checkpoint.license.lower()}
+{license_meta}
 library_name: transformers
 tags: [protein, protein-language-model, fastplms, {family.id}]
 ---
@@ -75,7 +90,7 @@ tags: [protein, protein-language-model, fastplms, {family.id}]
 This repository is the fastplms build of `{checkpoint.id}` ({checkpoint.num_layers} layers, hidden size
 {checkpoint.hidden_size}, {checkpoint.num_heads} attention heads), converted from `{origin}`
 (revision `{source["revision"] or "n/a"}`) with transform `{provenance["transform"]}` by {provenance["builder"]}.
-License: {checkpoint.license}. Official implementation: `{family.upstream.repo}`.
+License: {license_name}. Official implementation: `{family.upstream.repo}`.
 
 ## Use
 

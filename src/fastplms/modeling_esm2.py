@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 from transformers.modeling_outputs import (
     BaseModelOutput,
     MaskedLMOutput,
@@ -30,6 +31,11 @@ from .tokenization_esm import ESM2_VOCAB
 # Masked-token fraction seen in training (15% selected, 80% of those masked); official constant.
 TRAIN_MASK_RATIO = 0.15 * 0.8
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
+
+
+def rotary_inv_freq(config: ESM2Config) -> torch.Tensor:
+    head_dim = config.hidden_size // config.num_attention_heads
+    return 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -56,7 +62,9 @@ class ESM2Layer(nn.Module):
         batch, seq = state.valid.shape
         head_dim = d // self.num_heads
         q, k, v = self.qkv(self.attn_norm(h)).view(tokens, 3, self.num_heads, head_dim).unbind(1)
-        q, k = rotate(q * head_dim**-0.5, cos, sin), rotate(k, cos, sin)
+        # Back to the projection dtype (bf16 under autocast), as the official models do: float32 cos/sin
+        # would otherwise promote q and k but not v, and flash kernels need one dtype for q, k, v.
+        q, k = rotate(q * head_dim**-0.5, cos, sin).to(v.dtype), rotate(k, cos, sin).to(v.dtype)
         q, k, v = (pad(t, indices, batch, seq).transpose(1, 2) for t in (q, k, v))
         result = attention(
             q, k, v, backend=backend, state=state, scale=1.0, return_probs=want_probs, flash_lockfile=lockfile
@@ -74,17 +82,22 @@ class ESM2PreTrainedModel(FastPLMPreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        # transformers.initialization leaves tensors loaded from a checkpoint alone; plain in-place ops would
+        # overwrite e.g. a loaded Linear weight whose bias is missing from the checkpoint.
         if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, 0.02)
+            init.normal_(module.weight, 0.0, 0.02)
             if module.bias is not None:
-                module.bias.zero_()
+                init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, 0.02)
+            init.normal_(module.weight, 0.0, 0.02)
         elif isinstance(module, nn.LayerNorm):
-            module.weight.fill_(1.0)
-            module.bias.zero_()
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
         elif isinstance(module, ESM2LMHead):
-            module.bias.zero_()
+            init.zeros_(module.bias)
+        elif isinstance(module, ESM2Model):
+            # Non-persistent, so in no checkpoint: from_pretrained materializes it uninitialized.
+            init.copy_(module.inv_freq, rotary_inv_freq(module.config))
 
     def residue_encoder(self) -> ResidueEncoder:
         ids = {token: i for i, token in enumerate(ESM2_VOCAB)}
@@ -108,9 +121,7 @@ class ESM2Model(ESM2PreTrainedModel):
         self.layers = nn.ModuleList(ESM2Layer(config) for _ in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.contact_head = nn.Linear(config.num_hidden_layers * config.num_attention_heads, 1)
-        head_dim = config.hidden_size // config.num_attention_heads
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rotary_inv_freq(config), persistent=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -251,7 +262,10 @@ def _classification_loss(config: ESM2Config, logits: torch.Tensor, labels: torch
         else:
             problem = "multi_label_classification"
     if problem == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+        if config.num_labels == 1:
+            return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+        # Several regression targets: one per label, compared elementwise (as Transformers does).
+        return F.mse_loss(logits.float(), labels.float().view_as(logits))
     if problem == "single_label_classification":
         return F.cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1))
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float())

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .build import PROVENANCE
+from .build import PROVENANCE, sha256_file
 from .verify import verify
 
 
@@ -23,7 +23,7 @@ def publish(artifact: str | Path, repo: str, *, yes: bool = False) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 1
     record = json.loads((artifact / PROVENANCE).read_text())
-    files = {**record["files"], PROVENANCE: "(provenance record)"}
+    files = {**record["files"], PROVENANCE: sha256_file(artifact / PROVENANCE)}
     action = "uploading" if yes else "dry run: would upload"
     print(f"{action} {len(files)} files from {artifact} to https://huggingface.co/{repo}")
     for name, digest in sorted(files.items()):
