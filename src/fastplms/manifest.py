@@ -43,6 +43,11 @@ SOURCE_KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingProxy
     {
         "transformers": (frozenset({"repo", "revision"}), frozenset({"files"})),  # official Hub snapshot
         "fair-esm": (frozenset({"file", "url"}), frozenset({"files"})),  # original fair-esm .pt
+        # A Hub snapshot holding the EvolutionaryScale `esm` package's state dict at `file` (a path in the repo).
+        # `revision` is optional because not every official commit could be traced; pin it when known.
+        "esm": (frozenset({"repo", "file"}), frozenset({"revision", "files", "license"})),
+        # A Biohub Hub snapshot (safetensors with Transformer-Engine names and config.json).
+        "biohub": (frozenset({"repo"}), frozenset({"revision", "files", "license"})),
     }
 )
 
@@ -77,6 +82,8 @@ class Source:
     file: str | None = None
     url: str | None = None
     files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    # The license this source publishes its weights under, when it differs from the checkpoint's.
+    license: str | None = None
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,10 @@ def _read_source(file: str, where: str, raw: object) -> Source:
     repo = table.opt_string("repo", _REPO, "a Hub repo id 'owner/name'")
     revision = table.opt_string("revision", _REVISION, "a 40-character lowercase hex commit sha")
     name = table.opt_string("file")
+    if name is not None and (name.startswith("/") or "\\" in name or ".." in name.split("/")):
+        table.fail("file", f"{name!r} must be a relative path inside the source: no leading '/', no '\\', no '..'")
     url = table.opt_string("url")
+    license_name = table.opt_string("license")
     if url is not None and not url.startswith("https://"):
         table.fail("url", f"{url!r} must be an https:// URL")
     if url is not None and name is not None and not url.endswith("/" + name):
@@ -261,7 +271,7 @@ def _read_source(file: str, where: str, raw: object) -> Source:
                 # A single-file source can only pin its own file; anything else is a typo.
                 raise ManifestError(file, key, f"this source has only file {name!r}")
             files[file_name] = digest
-    return Source(kind, repo, revision, name, url, MappingProxyType(files))
+    return Source(kind, repo, revision, name, url, MappingProxyType(files), license_name)
 
 
 def _read_checkpoint(file: str, where: str, raw: object) -> Checkpoint:

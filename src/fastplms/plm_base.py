@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .attention import check_backend, warn_eager_for_attentions
@@ -167,3 +168,23 @@ class FastPLMPreTrainedModel(PreTrainedModel):
             )
         finally:
             self.train(was_training)
+
+
+def classification_loss(config, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sequence-classification loss chosen as Transformers does (`problem_type`, else from labels)."""
+    problem = config.problem_type
+    if problem is None:
+        if config.num_labels == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    if problem == "regression":
+        if config.num_labels == 1:
+            return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+        # Several regression targets: one per label, compared elementwise.
+        return F.mse_loss(logits.float(), labels.float().view_as(logits))
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
