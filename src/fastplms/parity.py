@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.initialization import no_init_weights
 
 from .configuration_esm2 import ESM2Config
 from .conversion import load_weights
@@ -38,7 +39,7 @@ from .esm2_reference import (
 from .manifest import MANIFEST_DIR, Checkpoint, Family, load_manifest
 from .modeling_esm2 import RESIDUES, ESM2ForMaskedLM
 from .tokenization_esm import ESM2_VOCAB
-from .validation import max_abs, parity_report, relative_l2
+from .validation import max_abs, parity_report, relative_l2, top1_agreement
 
 __all__ = [
     "ESM2_BACKENDS",
@@ -170,7 +171,9 @@ def _build_ours(converted: dict[str, torch.Tensor], checkpoint: Checkpoint) -> E
         num_hidden_layers=checkpoint.num_layers,
         num_attention_heads=checkpoint.num_heads,
     )
-    model = ESM2ForMaskedLM(config)
+    # Every parameter is overwritten by the strict load below; a random init first only costs time.
+    with no_init_weights():
+        model = ESM2ForMaskedLM(config)
     model.load_state_dict(converted, strict=True)
     return model.eval()
 
@@ -203,8 +206,13 @@ def _compare(ours: _Outputs, ref: _Outputs, attention_mask: torch.Tensor) -> dic
     worst = max(range(len(per_state)), key=lambda i: (math.isnan(per_state[i]), per_state[i]))
     pairs = _contact_pairs(attention_mask)
     ours_contacts, ref_contacts = ours.contacts[pairs][None], ref.contacts[pairs][None]
+    logits = parity_report(ours.logits, ref.logits, valid, logits=True)
+    # top1_agreement only counts positions where the oracle is confident (p >= 0.5); seeded weights give
+    # few or none, which makes it vacuously 1.0, so the count and the all-position agreement go with it.
+    logits["confident_positions"] = int((ref.logits[valid].double().softmax(-1).amax(-1) >= 0.5).sum())
+    logits["top1_agreement_all"] = top1_agreement(ours.logits, ref.logits, valid, confidence=0.0)
     return {
-        "logits": parity_report(ours.logits, ref.logits, valid, logits=True),
+        "logits": logits,
         "hidden_states": {
             "count": len(per_state),
             "worst_relative_l2": per_state[worst],
