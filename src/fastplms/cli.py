@@ -10,8 +10,10 @@ import time
 from . import __version__
 
 
-def _progress_bar(stream=sys.stderr):
+def _progress_bar(stream=None):
     """A one-line TTY progress bar (records, residues/s, ETA); None when not on a terminal."""
+    # Resolved per call, not at import: the bar must follow a redirected sys.stderr.
+    stream = sys.stderr if stream is None else stream
     if not stream.isatty():
         return None
     start = time.perf_counter()
@@ -162,12 +164,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The embedding library's hints name keyword arguments; on the command line they are flags.
+_FLAG_HINTS = {
+    "overwrite=True": "--overwrite",
+    "resume=True": "--resume",
+    "invalid='skip'": "--invalid skip",
+    "too_long='truncate'": "--too-long truncate",
+    "too_long='skip'": "--too-long skip",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:
-        print(f"fastplms {args.command}: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        if args.command == "embed":
+            for keyword, flag in _FLAG_HINTS.items():
+                message = message.replace(keyword, flag)
+        print(f"fastplms {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

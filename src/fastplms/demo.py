@@ -18,13 +18,18 @@ EXAMPLE_FASTA = REPO_ROOT / "examples" / "proteins.fasta"
 
 
 def demo_artifact(path: Path = DEMO_ARTIFACT) -> Path:
-    """Build (once) the demo artifact from a seeded official-layout ESM2-8M snapshot."""
+    """Build (once, and again after a runtime code change) the demo artifact from a seeded ESM2-8M snapshot."""
     import tempfile
 
-    from .build import PROVENANCE, build
+    from .build import PROVENANCE, RUNTIME_DIR, build
     from .esm2_reference import ESM2_DIMS, write_hf_snapshot
 
-    if (path / PROVENANCE).is_file():
+    # Reused only while its runtime modules match this checkout's: after a code change the demo
+    # must run the current code, not a stale copy built earlier.
+    if (path / PROVENANCE).is_file() and all(
+        (RUNTIME_DIR / module.name).is_file() and (RUNTIME_DIR / module.name).read_bytes() == module.read_bytes()
+        for module in path.glob("*.py")
+    ):
         return path
     with tempfile.TemporaryDirectory() as tmp:
         snapshot = write_hf_snapshot(Path(tmp) / "esm2_t6_8M_UR50D", *ESM2_DIMS["esm2_8m"], seed=0)

@@ -194,14 +194,15 @@ class SqliteWriter:
             raise ValueError(f"{path} is an SQLite file but not a fastplms embeddings database")
         else:
             # An empty file (a crash before the schema committed) starts fresh like a missing one.
+            # Schema and meta commit together: a crash in between would leave tables without a
+            # fingerprint, which no resume could ever match.
             self.conn.executescript(
                 "BEGIN;"
                 "CREATE TABLE embeddings(idx INTEGER PRIMARY KEY, id TEXT, header TEXT, sequence TEXT,"
                 " length INTEGER, pooled BLOB, residues BLOB, dtype TEXT, dim INTEGER);"
                 "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);"
-                "COMMIT;"
             )
-            with self.conn:
+            with self.conn:  # commits the transaction the script began (rolls it back on error)
                 self._set_meta({"format": FORMAT, "status": "running", **meta})
 
     def _set_meta(self, values: Mapping[str, object]) -> None:
@@ -414,6 +415,15 @@ def read_embedding_meta(path: str | os.PathLike[str]) -> dict:
 def _connect_ro(path: str) -> sqlite3.Connection:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such embeddings database")
+    if os.path.exists(path + "-journal"):
+        # A writer killed inside a commit leaves a hot journal, which a read-only connection may not
+        # roll back ("attempt to write a readonly database"). Any read through an ordinary connection
+        # rolls it back, restoring the last committed batch; a live writer's journal is left alone.
+        recovery = sqlite3.connect(path)
+        try:
+            recovery.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        finally:
+            recovery.close()
     return sqlite3.connect(Path(path).absolute().as_uri() + "?mode=ro", uri=True)
 
 

@@ -12,6 +12,7 @@ dtypes and BF16 policy (baked in from its manifest); this base class makes them 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -105,15 +106,23 @@ class FastPLMPreTrainedModel(PreTrainedModel):
         return self.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def model_fingerprint(self) -> dict[str, object]:
-        """Identity of weights and settings, so a resumed embedding run is refused on a different model."""
+        """Identity of weights and settings, so a resumed embedding run is refused on a different model.
+
+        Weights are hashed byte for byte: a floating-point sum would depend on the reduction order, so
+        the same weights would look different under another thread count or on another device.
+        """
         config = {k: v for k, v in self.config.to_dict().items() if not k.startswith("_")}
         config.pop("transformers_version", None)
         digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
         with torch.no_grad():
             for name, tensor in self.state_dict().items():
-                digest.update(name.encode())
-                digest.update(repr(float(tensor.double().sum())).encode())
-        return {"model": self.config._name_or_path, "weights": digest.hexdigest()[:16]}
+                data = tensor.detach().to("cpu").contiguous()
+                digest.update(f"{name} {data.dtype} {tuple(data.shape)}".encode())
+                if data.nbytes:  # the raw buffer, read in place (no numpy in runtime modules)
+                    digest.update(memoryview((ctypes.c_char * data.nbytes).from_address(data.data_ptr())))
+        # Not the path the model was loaded from: the same weights reached through a relative path, an
+        # absolute one or a Hub id are the same model.
+        return {"model_sha256": digest.hexdigest()[:16]}
 
     def embed_dataset(
         self,
