@@ -466,3 +466,20 @@ def test_progress_bar_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(sys, "stderr", terminal)
     cli._progress_bar()(1, 10, 2)
     assert "1/2 records" in terminal.getvalue()
+
+
+def test_leftover_temp_files_of_a_crashed_first_index_write_do_not_block_a_new_run(tmp_path) -> None:
+    """A kill during the very first index.json write leaves only temp files; the folder holds nothing
+    committed, so a fresh (or resumed) run must start instead of refusing a 'foreign' directory."""
+    from fastplms.embedding_store import ShardWriter
+
+    out = tmp_path / "emb"
+    out.mkdir()
+    (out / "index.json.tmp").write_bytes(b'{"format": "fastpl')
+    writer = ShardWriter(str(out), {"fingerprint": {"x": 1}}, resume=True, overwrite=False)
+    assert writer.committed == set()
+    assert sorted(p.name for p in out.iterdir()) == ["index.json"]
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="without index.json"):
+        ShardWriter(str(tmp_path / "foreign"), {"fingerprint": {}}, resume=True, overwrite=True)

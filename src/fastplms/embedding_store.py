@@ -257,6 +257,11 @@ class ShardWriter:
         if os.path.exists(path) and not os.path.isdir(path):
             raise FileExistsError(f"{path} exists and is not a directory (SQLite outputs end in .db/.sqlite)")
         ours = os.path.exists(index_path)
+        if os.path.isdir(path) and not ours:
+            # A crash during the very first index write leaves only our temp files: nothing committed.
+            for name in os.listdir(path):
+                if name == INDEX_FILE + ".tmp" or (name.startswith("shard-") and name.endswith(".tmp")):
+                    os.remove(os.path.join(path, name))
         if os.path.isdir(path) and os.listdir(path) and not ours:
             # Overwrite must never delete a directory of someone else's files.
             raise FileExistsError(f"{path} is a non-empty directory without {INDEX_FILE}; refusing to use it")
