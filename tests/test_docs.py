@@ -62,6 +62,10 @@ def test_esm2_has_a_parity_report():
     assert "esm2" in REPORTED
 
 
+def test_esmc_has_a_parity_report():
+    assert "esmc" in REPORTED
+
+
 @pytest.mark.parametrize("family_id", REPORTED)
 def test_parity_report_covers_every_checkpoint(family_id):
     report = json.loads((REPORTS_DIR / f"{family_id}.json").read_text(encoding="utf-8"))
@@ -81,4 +85,9 @@ def test_parity_report_covers_every_checkpoint(family_id):
             assert r["backend"] in family.backends and r["dtype"] in family.dtypes
             if r["dtype"] == "float32":  # the committed numbers must be the near-exact ones the tests demand
                 assert r["logits"]["relative_l2"] <= 1e-5, (checkpoint.id, r["oracle"], r["backend"])
-                assert r["hidden_states"]["worst_relative_l2"] <= 1e-5, (checkpoint.id, r["oracle"], r["backend"])
+                # Goldens may keep no hidden states for a variant (ESMC's sequence_id run); its embeddings
+                # (the final-normed output) carry the check then. A record with neither fails on the key.
+                if "hidden_states" in r or "embeddings" not in r:
+                    assert r["hidden_states"]["worst_relative_l2"] <= 1e-5, (checkpoint.id, r["oracle"], r["backend"])
+                if "embeddings" in r:
+                    assert r["embeddings"]["relative_l2"] <= 1e-5, (checkpoint.id, r["oracle"], r["backend"])

@@ -134,3 +134,15 @@ def test_matches_official_goldens(name, backend, measured):
             if key.endswith("relative_l2"):
                 assert value <= TOLERANCE, (variant, key, value)
         assert record["padding_max_abs"] == 0, variant
+
+
+@pytest.mark.parametrize("name", [c.id for c in FAMILY.checkpoints])
+def test_conversion_shapes_at_real_dims(name):
+    """Both official layouts (esm, Biohub) at real dims, meta tensors only: what the parity report records."""
+    from fastplms.parity import check_esmc_conversion_shapes
+
+    record = check_esmc_conversion_shapes(name)
+    assert record["ok"], record["problems"]
+    assert record["layouts"] == ["biohub", "esm"]
+    spec = FAMILY.checkpoint(name)
+    assert record["dims"] == {"layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads}

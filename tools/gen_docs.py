@@ -14,7 +14,7 @@ import difflib
 import json
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from fastplms.manifest import MANIFEST_DIR, REPO_ROOT, Family, Source, load_all
@@ -170,6 +170,8 @@ def _parity_lines(family: Family, report: dict | None, records: Sequence[Mapping
     checkpoint_order = {c.id: i for i, c in enumerate(family.checkpoints)}
     backend_order = {b: i for i, b in enumerate(family.backends)}
 
+    mask_order = {"default": 0}
+
     def key(r: Mapping) -> tuple:
         return (
             checkpoint_order.get(r["checkpoint"], len(checkpoint_order)),
@@ -177,6 +179,8 @@ def _parity_lines(family: Family, report: dict | None, records: Sequence[Mapping
             r["oracle"],
             backend_order.get(r["backend"], len(backend_order)),
             _DTYPE_ORDER.get(r["dtype"], 9),
+            mask_order.get(r.get("mask", ""), 1),
+            r.get("mask", ""),
         )
 
     forward = sorted((r for r in records if "logits" in r), key=key)
@@ -187,80 +191,60 @@ def _parity_lines(family: Family, report: dict | None, records: Sequence[Mapping
         h = r.get("hidden_states") or {}
         if "worst_relative_l2" not in h:
             return "—"
-        return f"{_sci(h['worst_relative_l2'])} (state {h.get('worst_index', '?')} of {h.get('count', '?')})"
+        where = f"state {h.get('worst_index', '?')} of {h.get('count', '?')}"
+        if "compared" in h:  # only some states have oracle values
+            where += f"; {len(h['compared'])} compared"
+        return f"{_sci(h['worst_relative_l2'])} ({where})"
 
-    def contacts(r: Mapping, metric: str) -> str:
-        return _sci((r.get("contacts") or {}).get(metric))
+    def part(r: Mapping, field: str, metric: str) -> str:
+        return _sci((r.get(field) or {}).get(metric))
+
+    def logits(metric: str) -> Callable[[Mapping], str]:
+        return lambda r: _sci(r["logits"].get(metric))
+
+    # (header, cell, record field the column needs): a column with a field shows only when some row has it.
+    identity = [
+        ("checkpoint", lambda r: f"`{r['checkpoint']}`", None),
+        ("oracle", lambda r: r["oracle"], None),
+        ("backend", lambda r: f"`{r['backend']}`", None),
+        ("dtype", lambda r: r["dtype"], None),
+        ("mask", lambda r: r.get("mask", "—"), "mask"),
+    ]
+    fp32_columns = [
+        *identity,
+        ("logits rel. L2", logits("relative_l2"), None),
+        ("logits max abs", logits("max_abs"), None),
+        ("worst hidden-state rel. L2", hidden, None),
+        ("embeddings rel. L2", lambda r: part(r, "embeddings", "relative_l2"), "embeddings"),
+        ("contacts max abs", lambda r: part(r, "contacts", "max_abs"), "contacts"),
+    ]
+    reduced_columns = [
+        *identity,
+        ("logits rel. L2", logits("relative_l2"), None),
+        ("max abs", logits("max_abs"), None),
+        ("rel. Q99.9", logits("relative_q999"), None),
+        ("residue cos p1", lambda r: _fixed(r["logits"].get("residue_cosine_p1"), 6), None),
+        ("pooled cos", lambda r: _fixed(r["logits"].get("pooled_cosine"), 6), None),
+        ("top-1 (p ≥ 0.5)", lambda r: _top1(r["logits"]), None),
+        ("top-1 (all)", lambda r: _fixed(r["logits"].get("top1_agreement_all"), 4), None),
+        ("JS", logits("jensen_shannon"), None),
+        ("worst hidden-state rel. L2", hidden, None),
+        ("embeddings rel. L2", lambda r: part(r, "embeddings", "relative_l2"), "embeddings"),
+        ("contacts max abs", lambda r: part(r, "contacts", "max_abs"), "contacts"),
+        ("contacts rel. L2", lambda r: part(r, "contacts", "relative_l2"), "contacts"),
+    ]
+
+    def table(columns: Sequence[tuple], rows: Sequence[Mapping]) -> list[str]:
+        shown = [c for c in columns if c[2] is None or any(c[2] in r for r in rows)]
+        return _table([c[0] for c in shown], [[c[1](r) for c in shown] for r in rows])
 
     if fp32:
         lines += ["FP32 (metrics over valid positions; rel. L2 = ‖ours − oracle‖ / ‖oracle‖):", ""]
-        lines += _table(
-            [
-                "checkpoint",
-                "oracle",
-                "backend",
-                "dtype",
-                "logits rel. L2",
-                "logits max abs",
-                "worst hidden-state rel. L2",
-                "contacts max abs",
-            ],
-            [
-                [
-                    f"`{r['checkpoint']}`",
-                    r["oracle"],
-                    f"`{r['backend']}`",
-                    r["dtype"],
-                    _sci(r["logits"].get("relative_l2")),
-                    _sci(r["logits"].get("max_abs")),
-                    hidden(r),
-                    contacts(r, "max_abs"),
-                ]
-                for r in fp32
-            ],
-        )
+        lines += table(fp32_columns, fp32)
         lines.append("")
     if reduced:
         lines += ["Reduced precision, compared with the FP32 oracle:", ""]
-        lines += _table(
-            [
-                "checkpoint",
-                "oracle",
-                "backend",
-                "dtype",
-                "logits rel. L2",
-                "max abs",
-                "rel. Q99.9",
-                "residue cos p1",
-                "pooled cos",
-                "top-1 (p ≥ 0.5)",
-                "top-1 (all)",
-                "JS",
-                "worst hidden-state rel. L2",
-                "contacts max abs",
-                "contacts rel. L2",
-            ],
-            [
-                [
-                    f"`{r['checkpoint']}`",
-                    r["oracle"],
-                    f"`{r['backend']}`",
-                    r["dtype"],
-                    _sci(r["logits"].get("relative_l2")),
-                    _sci(r["logits"].get("max_abs")),
-                    _sci(r["logits"].get("relative_q999")),
-                    _fixed(r["logits"].get("residue_cosine_p1"), 6),
-                    _fixed(r["logits"].get("pooled_cosine"), 6),
-                    _top1(r["logits"]),
-                    _fixed(r["logits"].get("top1_agreement_all"), 4),
-                    _sci(r["logits"].get("jensen_shannon")),
-                    hidden(r),
-                    contacts(r, "max_abs"),
-                    contacts(r, "relative_l2"),
-                ]
-                for r in reduced
-            ],
-        )
+        lines += table(reduced_columns, reduced)
         lines.append("")
     panels: dict[str, list[str]] = {}
     for r in forward:
@@ -268,6 +252,7 @@ def _parity_lines(family: Family, report: dict | None, records: Sequence[Mapping
         text = (
             f"residue lengths {panel.get('lengths', '?')}, seed {panel.get('seed', '?')}, "
             f"{panel.get('masked', '?')} `<mask>` tokens"
+            + (f", chains per row {panel['chains']}" if "chains" in panel else "")
         )
         panels.setdefault(text, [])
         if r["checkpoint"] not in panels[text]:

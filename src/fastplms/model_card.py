@@ -31,19 +31,26 @@ def _parity_section(family: Family, checkpoint: Checkpoint) -> str:
             "No forward parity was measured at these dimensions (conversion key and shape checks only); "
             f"see the measured {family.name} checkpoints in the fastplms support matrix.\n"
         )
+    # Optional columns (e.g. ESMC's mask variant and embeddings) show only when some record has them.
+    with_mask = any("mask" in r for r in measured)
+    with_embeddings = any("embeddings" in r for r in measured)
+    header = ["oracle", "backend", "dtype"] + (["mask"] if with_mask else [])
+    header += ["logits rel. L2", "logits max abs", "worst hidden-state rel. L2"]
+    header += ["embeddings rel. L2"] if with_embeddings else []
     lines = [
         "Measured against the official implementation on seeded weights at this checkpoint's real "
         "dimensions, over valid residues (`python -m tools.measure_parity`):\n",
-        "| oracle | backend | dtype | logits rel. L2 | logits max abs | worst hidden-state rel. L2 |",
-        "|---|---|---|---|---|---|",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
     ]
-    for r in sorted(measured, key=lambda r: (r["oracle"], r["dtype"], r["backend"])):
+    order = {"default": 0}
+    for r in sorted(measured, key=lambda r: (r["oracle"], r["dtype"], r["backend"], order.get(r.get("mask"), 1))):
         logits = r["logits"]
-        hidden = r.get("hidden_states", {})
-        lines.append(
-            f"| {r['oracle']} | `{r['backend']}` | {r['dtype']} | {_fmt(logits.get('relative_l2'))} | "
-            f"{_fmt(logits.get('max_abs'))} | {_fmt(hidden.get('worst_relative_l2'))} |"
-        )
+        hidden = r.get("hidden_states") or {}
+        cells = [r["oracle"], f"`{r['backend']}`", r["dtype"]] + ([r.get("mask", "—")] if with_mask else [])
+        cells += [_fmt(logits.get("relative_l2")), _fmt(logits.get("max_abs")), _fmt(hidden.get("worst_relative_l2"))]
+        cells += [_fmt((r.get("embeddings") or {}).get("relative_l2"))] if with_embeddings else []
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
