@@ -342,6 +342,7 @@ def embed_dataset(
     fingerprint: Mapping[str, object] | None = None,
     progress: Progress | None = None,
     device: torch.device | str | None = None,
+    plan: Callable[[int | None], None] | None = None,
 ) -> EmbeddingResult:
     """Embed every record of ``inputs`` with ``forward``; see the module docstring for inputs.
 
@@ -350,6 +351,9 @@ def embed_dataset(
     ``.sqlite3`` for SQLite, else a shard directory) records are written as batches finish and
     ``result.records`` stays empty; ``resume=True`` continues an output made with the same
     fingerprint, ``overwrite=True`` replaces one.
+
+    ``plan``, if given, is called once before any batch with the number of residues the job holds
+    (None when the input can be read only once), so a caller can pick an execution strategy.
     """
     started = time.perf_counter()
     names = _check_pooling(pooling, encoder)
@@ -448,6 +452,8 @@ def embed_dataset(
                 progress(records_done, residues_done, total)
 
     main_report = _Report() if replayable else report
+    if plan is not None:
+        plan(report.residues if replayable else None)
     try:
         window: list[_Item] = []
         for item in _prepare(open_stream(), rules, main_report):

@@ -58,21 +58,36 @@ class ESM2Layer(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, d)
 
     def forward(self, h, cos, sin, state: MaskState, indices, backend: str, want_probs: bool, lockfile=None):
-        tokens, d = h.shape
         batch, seq = state.valid.shape
+        q, k, v = (pad(t, indices, batch, seq).transpose(1, 2) for t in self.attention_inputs(h, cos, sin))
+        result = attention(
+            q, k, v, backend=backend, state=state, scale=1.0, return_probs=want_probs, flash_lockfile=lockfile
+        )
+        out, probs = result if want_probs else (result, None)
+        return self.finish(h, unpad(out, indices)), probs
+
+    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Packed (tokens, heads, head_dim) q (pre-scaled), k, v with rotary applied."""
+        tokens, d = h.shape
         head_dim = d // self.num_heads
         q, k, v = self.qkv(self.attn_norm(h)).view(tokens, 3, self.num_heads, head_dim).unbind(1)
         # Back to the projection dtype (bf16 under autocast), as the official models do: float32 cos/sin
         # would otherwise promote q and k but not v, and flash kernels need one dtype for q, k, v.
         q, k = rotate(q * head_dim**-0.5, cos, sin).to(v.dtype), rotate(k, cos, sin).to(v.dtype)
-        q, k, v = (pad(t, indices, batch, seq).transpose(1, 2) for t in (q, k, v))
-        result = attention(
-            q, k, v, backend=backend, state=state, scale=1.0, return_probs=want_probs, flash_lockfile=lockfile
-        )
-        out, probs = result if want_probs else (result, None)
-        h = h + self.out_proj(unpad(out, indices).reshape(tokens, d))
-        h = h + self.fc2(F.gelu(self.fc1(self.mlp_norm(h))))
-        return h, probs
+        return q, k, v
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection of packed attention outputs (tokens, heads, head_dim), residuals and MLP."""
+        h = h + self.out_proj(attended.reshape(h.shape))
+        return h + self.fc2(F.gelu(self.fc1(self.mlp_norm(h))))
+
+
+def _layer_attention_inputs(layer: ESM2Layer, h, cos, sin):
+    return tuple(t.transpose(0, 1).contiguous() for t in layer.attention_inputs(h, cos, sin))
+
+
+def _layer_finish(layer: ESM2Layer, h, attended):
+    return layer.finish(h, attended.transpose(0, 1))
 
 
 class ESM2PreTrainedModel(FastPLMPreTrainedModel):
@@ -167,26 +182,66 @@ class ESM2Model(ESM2PreTrainedModel):
         backend = self.attention_backend(output_attentions, warn=_warn_eager)
         state = mask_state(attention_mask, shape=(batch, seq), device=input_ids.device)
         indices = state.valid.flatten().nonzero().flatten()
-        freqs = (indices % seq).float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        h = unpad(self._embed(input_ids, state.valid), indices)
-        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
         lockfile = self.flash_lockfile() if backend.startswith("flash") else None
-        hidden, attentions = [], []
-        for layer in self.layers:
-            if output_hidden_states:
-                hidden.append(h)
-            h, probs = layer(h, cos, sin, state, indices, backend, output_attentions, lockfile)
-            if output_attentions:
-                attentions.append(probs)
-        h = self.final_norm(h)
-        if output_hidden_states:
-            hidden.append(h)
+        h, hidden, attentions = self._encode(
+            input_ids, state, indices, backend, output_attentions, output_hidden_states, lockfile
+        )
         return BaseModelOutput(
             last_hidden_state=pad(h, indices, batch, seq),
             hidden_states=tuple(pad(x, indices, batch, seq) for x in hidden) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
         )
+
+    def _encode(self, input_ids, state: MaskState, indices, backend, want_probs, want_hidden, lockfile=None):
+        """The encoder on already-validated inputs: packed final states (tokens, d), per-layer states, maps."""
+        h, cos, sin = self._packed_inputs(input_ids, state.valid, indices)
+        hidden, attentions = [], []
+        for layer in self.layers:
+            if want_hidden:
+                hidden.append(h)
+            h, probs = layer(h, cos, sin, state, indices, backend, want_probs, lockfile)
+            if want_probs:
+                attentions.append(probs)
+        h = self.final_norm(h)
+        if want_hidden:
+            hidden.append(h)
+        return h, hidden, attentions
+
+    def _packed_inputs(self, input_ids, valid, indices):
+        seq = input_ids.shape[1]
+        freqs = (indices % seq).float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        h = unpad(self._embed(input_ids, valid), indices)
+        return h, angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+
+    def embedding_core(self, input_ids: torch.Tensor, valid: torch.Tensor, compile) -> torch.Tensor:
+        """Last hidden states (b, s, d) for `embed_dataset`'s compiled path (`compiled.py`), sdpa semantics.
+
+        `valid` is an already-checked boolean (b, s) mask with a valid token in every row. `compile(fn)`
+        returns `fn` compiled with dynamic shapes: here the two halves of a layer around attention, each
+        compiled once and run for every layer on packed tokens. Attention runs per sequence on its own
+        valid tokens (no padding, no mask), which is what the padded masked SDPA computes. Same function
+        as `forward` (sdpa backend).
+        """
+        self._check_inputs(input_ids)
+        self.check_dtypes(input_ids.device.type)
+        batch, seq = input_ids.shape
+        indices = valid.flatten().nonzero().flatten()
+        bounds = [0, *valid.sum(-1).cumsum(0).tolist()]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        before, after = compile(_layer_attention_inputs), compile(_layer_finish)
+        h, cos, sin = self._packed_inputs(input_ids, valid, indices)
+        for layer in self.layers:
+            q, k, v = before(layer, h, cos, sin)  # (heads, tokens, head_dim) each
+            attended = torch.cat(
+                [
+                    F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], scale=1.0)[0]
+                    for a, b in spans
+                ],
+                dim=1,
+            )
+            h = after(layer, h, attended)
+        return pad(self.final_norm(h), indices, batch, seq)
 
     def predict_contacts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Contact probabilities (batch, L, L) over residues (specials removed), as the official head.

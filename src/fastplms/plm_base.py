@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .attention import check_backend, warn_eager_for_attentions
+from .compiled import COMPILE_MIN_RESIDUES, COMPILED_BACKENDS, CompiledEmbedding, weights_key
 from .embedding import EmbeddingResult, ResidueEncoder, embed_dataset
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,6 +106,30 @@ class FastPLMPreTrainedModel(PreTrainedModel):
     def embedding_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
+    def _compiled_embedding(self, compile: bool | None) -> CompiledEmbedding | None:
+        """This model's compiled embedding path (built lazily, kept on the instance), or None where
+        it does not apply: `compile=False`, a model without `embedding_core`, an overridden
+        `embedding_forward`, or a backend without a compiled path (flex compiles its own kernel)."""
+        base = self.base_model
+        supported = (
+            hasattr(base, "embedding_core")
+            and type(self).embedding_forward is FastPLMPreTrainedModel.embedding_forward
+            and self.attention_backend() in COMPILED_BACKENDS
+        )
+        if compile is True and not supported:
+            raise ValueError(
+                f"compile=True needs attention backend {' or '.join(COMPILED_BACKENDS)} "
+                f"(configured: {self.attention_backend()!r}) and the model's own embedding forward"
+            )
+        if compile is False or not supported:
+            return None
+        runner = self.__dict__.get("_fastplms_compiled")
+        if runner is None or runner.key != weights_key(base):  # new, or weights changed since: rebuild
+            runner = CompiledEmbedding(base)
+            # Plain attribute, not a submodule: it must not appear in state_dict() or modules().
+            self.__dict__["_fastplms_compiled"] = runner
+        return runner
+
     def model_fingerprint(self) -> dict[str, object]:
         """Identity of weights and settings, so a resumed embedding run is refused on a different model.
 
@@ -140,17 +165,33 @@ class FastPLMPreTrainedModel(PreTrainedModel):
         too_long: str = "raise",
         dtype: str = "float32",
         progress: Callable[[int, int, int | None], None] | None = None,
+        compile: bool | None = None,
     ) -> EmbeddingResult:
-        """Embed a FASTA file, .txt file, mapping, list or (id, sequence) pairs; see fastplms docs."""
+        """Embed a FASTA file, .txt file, mapping, list or (id, sequence) pairs; see fastplms docs.
+
+        `compile`: None (default) runs the compiled path (see `compiled.py`) for jobs of at least
+        `COMPILE_MIN_RESIDUES` residues or when this model has compiled it already, else eager;
+        True/False force it on or off. Both paths compute the same function.
+        """
         if dtype not in self.config.allowed_dtypes:
             raise ValueError(f"dtype {dtype!r} is not declared for {self.config.family}: {self.config.allowed_dtypes}")
         device = next(self.parameters()).device
         autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
         )
+        compiled = self._compiled_embedding(compile)
+        use_compiled = False
+
+        def plan(residues: int | None) -> None:
+            nonlocal use_compiled
+            if compiled is not None:
+                warm = compiled.calls > 0
+                use_compiled = bool(compile) or warm or (residues is not None and residues >= COMPILE_MIN_RESIDUES)
 
         def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
             with autocast:
+                if use_compiled:
+                    return compiled(input_ids, attention_mask).float()
                 return self.embedding_forward(input_ids, attention_mask).float()
 
         fingerprint = {**self.model_fingerprint(), "dtype": dtype, "backend": self.attention_backend()}
@@ -174,6 +215,7 @@ class FastPLMPreTrainedModel(PreTrainedModel):
                 fingerprint=fingerprint,
                 progress=progress,
                 device=device,
+                plan=plan,
             )
         finally:
             self.train(was_training)
