@@ -25,7 +25,7 @@ from transformers.modeling_outputs import (
 from .attention import MaskState, attention, mask_state, pad, unpad
 from .configuration_esm2 import ESM2Config
 from .embedding import ResidueEncoder
-from .plm_base import FastPLMPreTrainedModel
+from .plm_base import FastPLMPreTrainedModel, classification_loss
 from .tokenization_esm import ESM2_VOCAB
 
 # Masked-token fraction seen in training (15% selected, 80% of those masked); official constant.
@@ -307,25 +307,6 @@ class ESM2ForMaskedLM(ESM2PreTrainedModel):
         return self.esm.predict_contacts(input_ids, attention_mask)
 
 
-def _classification_loss(config: ESM2Config, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    problem = config.problem_type
-    if problem is None:
-        if config.num_labels == 1:
-            problem = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            problem = "single_label_classification"
-        else:
-            problem = "multi_label_classification"
-    if problem == "regression":
-        if config.num_labels == 1:
-            return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
-        # Several regression targets: one per label, compared elementwise (as Transformers does).
-        return F.mse_loss(logits.float(), labels.float().view_as(logits))
-    if problem == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1))
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-
-
 class ESM2ForSequenceClassification(ESM2PreTrainedModel):
     """Classification head on the <cls> state: dense, tanh, projection (the Transformers ESM layout)."""
 
@@ -350,7 +331,7 @@ class ESM2ForSequenceClassification(ESM2PreTrainedModel):
         out = self.esm(input_ids, attention_mask, output_hidden_states, output_attentions)
         x = torch.tanh(self.dense(self.dropout(out.last_hidden_state[:, 0])))
         logits = self.out_proj(self.dropout(x))
-        loss = None if labels is None else _classification_loss(self.config, logits, labels)
+        loss = None if labels is None else classification_loss(self.config, logits, labels)
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
