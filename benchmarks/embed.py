@@ -584,7 +584,7 @@ def spawn(case: dict, timeout: float) -> dict:
     else:
         command = [sys.executable, "-m", "benchmarks.embed", "--child", json.dumps(case)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "src")])}
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     except subprocess.TimeoutExpired:
@@ -593,7 +593,9 @@ def spawn(case: dict, timeout: float) -> dict:
     if not lines:
         return {"status": "error", "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
     result = json.loads(lines[-1][len("RESULT ") :])
-    result["process_s"] = time.perf_counter() - started
+    # One-minute load average around the child (it adds about its own thread count): other work on
+    # the machine shows up here.
+    result.update(process_s=time.perf_counter() - started, load_before=load_before, load_after=os.getloadavg()[0])
     return result
 
 

@@ -64,6 +64,11 @@ def _err(summary: dict) -> str:
     return f"{err:.1e}" + (f" (cos {cos:.6f})" if cos is not None and err > 1e-4 else "")
 
 
+def _loads(runs: list[dict]) -> str:
+    values = [r["load_after"] for r in runs if r.get("load_after") is not None]
+    return f"{max(values):.1f}" if values else "–"
+
+
 def _label(case: dict) -> str:
     return case["label"]
 
@@ -302,8 +307,8 @@ def render(paths: list[Path]) -> str:
             f"time cap {_num(data['settings']['max_seconds'])} s per case)",
             "",
             "| case | dtype | steady res/s | end-to-end res/s | first result s | compile s | load s | "
-            "peak RSS MB | model GFLOP/s | % FP32 peak | max rel. err vs Transformers FP32 | notes |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "peak RSS MB | model GFLOP/s | % FP32 peak | max rel. err vs Transformers FP32 | load | notes |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in data["results"]:
             case, summary = row["case"], row["summary"]
@@ -315,7 +320,7 @@ def render(paths: list[Path]) -> str:
                 f"{_median(summary, 'time_to_first_result_s')} | {_median(summary, 'compile_s')} | "
                 f"{_median(summary, 'load_s')} | {_median(summary, 'peak_rss_mb', 0)} | "
                 f"{_num(summary.get('model_gflops'), 1)} | {'–' if frac is None else f'{frac:.0%}'} | "
-                f"{_err(summary)} | {_status(summary)} |"
+                f"{_err(summary)} | {_loads(row['runs'])} | {_status(summary)} |"
             )
         lines += ["", "### Targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(data)]
@@ -366,6 +371,8 @@ NOTES = [
     "(`benchmarks/setup_esm_cpp.sh`, numpy<2). Its x86 fast kernels need AVX-512; on an AVX2-only CPU it "
     "runs its scalar reference kernels, which is what the numbers above show when its ISA reads `avx2`.",
     "- A case that hits the time cap reports its rate over the batches it finished (noted in *notes*).",
+    "- *load* is the highest one-minute load average seen right after the case's runs; a case's own process "
+    "adds about its thread count (2), so values well above that mean other work shared the CPU.",
     "- **BF16 on a CPU without native BF16 matmul** (no AVX512-BF16/AMX): `torch.mm` in BF16 falls back "
     "to a slow reference GEMM (see the BF16 peak), so every BF16 case, ours included, is recorded as "
     "skipped with the measured peaks; `--force-bf16` runs them anyway. The BF16 targets can only be "
