@@ -496,7 +496,7 @@ def plan_cases(args, peaks: dict | None, esmcpp: dict) -> list[dict]:
     ours_backends = (
         ("default", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
         if gpu
-        else ("default", "eager", "sdpa", "flex_attention")
+        else ("default", "eager", "flex_attention")  # default is sdpa
     )
     if args.quick:
         ours_backends, dtypes = ("default",), ("float32",)
@@ -515,7 +515,7 @@ def plan_cases(args, peaks: dict | None, esmcpp: dict) -> list[dict]:
             )
     budgets = (4096,) if args.quick else tuple(args.budgets)
     for budget in () if args.quick else budgets:
-        if budget != OURS_DEFAULT_BUDGET:
+        if budget != OURS_DEFAULT_BUDGET and budget <= 8192:
             cases.append(
                 {
                     "engine": "ours",
@@ -555,7 +555,7 @@ def plan_cases(args, peaks: dict | None, esmcpp: dict) -> list[dict]:
     )
     if not gpu:
         for mode in ("float32",) if args.quick else ("float32", "int8"):
-            cases.append({"engine": "esm-cpp", "label": "esm-cpp", "dtype": mode, "chunk": 1 if args.quick else 4})
+            cases.append({"engine": "esm-cpp", "label": "esm-cpp", "dtype": mode, "chunk": 1})
     slow_bf16 = (
         peaks is not None
         and not gpu
@@ -641,7 +641,7 @@ def summarize(case: dict, runs: list[dict], reference, flops_per_residue: float,
         summary["fraction_of_dtype_peak"] = summary["model_gflops"] / peaks[peak_dtype]["gflops"]
     if reference is not None and ok[0].get("check") is not None:
         check = np.asarray(ok[0]["check"], dtype=np.float64)
-        ref = np.asarray(reference, dtype=np.float64)
+        ref = np.asarray(reference, dtype=np.float64)[: len(check)]  # esm-cpp embeds fewer (slow kernels)
         summary["max_rel_err_vs_transformers_fp32"] = float(np.abs(check - ref).max() / np.abs(ref).max())
         cos = (check * ref).sum(1) / np.linalg.norm(check, axis=1) / np.linalg.norm(ref, axis=1)
         summary["min_cosine_vs_transformers_fp32"] = float(cos.min())

@@ -377,8 +377,8 @@ NOTES = [
     "to a slow reference GEMM (see the BF16 peak), so every BF16 case, ours included, is recorded as "
     "skipped with the measured peaks; `--force-bf16` runs them anyway. The BF16 targets can only be "
     "assessed on a CPU with native BF16.",
-    "- **Outputs** are compared on the mean-pooled embeddings of the first 16 records, which every "
-    "engine embeds again after its timed run on the path it was timed on.",
+    "- **Outputs** are compared on the mean-pooled embeddings of the first 16 records (esm-cpp: the first "
+    "4), which every engine embeds again after its timed run on the path it was timed on.",
     "- **GPU mode** (`--device cuda`, the default when CUDA is present) runs ESM2-650M dims in BF16: "
     "fastplms with sdpa, flex_attention, flash_attention_2 and flash_attention_3, compiled versus eager "
     "(compile time and steady state listed apart), Transformers length-sorted and fair-esm, with peak GPU "
