@@ -675,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=None, help="run only cases whose label contains this text")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "int8"), help="run only cases in this dtype")
     parser.add_argument("--all-cases", action="store_true", help="every case on the short profile too")
     parser.add_argument("--force-bf16", action="store_true", help="run BF16 cases even without native BF16")
     parser.add_argument("--no-profile-ops", action="store_true", help="skip the profiled fastplms run")
@@ -720,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
             cases = [c for c in cases if c["label"] in SHORT_PROFILE_CASES]
         if args.only:
             cases = [c for c in cases if args.only in c["label"]]
+        if args.dtype:
+            cases = [c for c in cases if c["dtype"] == args.dtype]
         if not args.no_profile_ops and not args.quick and profile == "lognormal":
             cases.append(
                 {

@@ -16,11 +16,47 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 # Break-even between compile time and the compiled path's higher throughput, measured on 2 CPU cores
 # at ESM2-35M (docs/benchmarks.md): below it the eager path finishes first.
 COMPILE_MIN_RESIDUES = 80_000
 COMPILED_BACKENDS = ("sdpa",)
+# Score elements (heads x length x length) per chunk of CPU BF16 attention: a chunk's float32 softmax
+# stays within the 2 MiB L2 cache of the cores this was measured on.
+SCORE_CHUNK_ELEMENTS = 1 << 19
+
+
+def _attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention of (heads, length, head_dim) q (pre-scaled), k, v; softmax in float32."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
+def attend_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, compile: Callable) -> torch.Tensor:
+    """Attention of each sequence over its own tokens, on packed (tokens, heads, head_dim) q, k, v.
+
+    `spans` are the (start, stop) token ranges of the sequences. This is what the padded, masked SDPA
+    computes, without padding or mask. FP32 (and GPU) runs SDPA per sequence. CPU BF16 runs the scores,
+    a float32 softmax and the weighted sum as compiled matmuls over a few heads at a time: ATen's CPU
+    flash kernel in BF16 reaches about 110 GFLOP/s at head_dim 24 where this reaches about 150
+    (docs/benchmarks.md). The scores are rounded to BF16 before the softmax, as fair-esm's BF16 autocast
+    run does.
+    """
+    outputs = []
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        chunk_fn = compile(_attention_chunk)
+        heads = q.shape[1]
+        for a, b in spans:
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            step = max(1, min(heads, SCORE_CHUNK_ELEMENTS // (b - a) ** 2))
+            parts = [chunk_fn(qs[i : i + step], ks[i : i + step], vs[i : i + step]) for i in range(0, heads, step)]
+            outputs.append(torch.cat(parts).transpose(0, 1))
+    else:
+        for a, b in spans:
+            qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+            outputs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=1.0)[0].transpose(0, 1))
+    return torch.cat(outputs)
 
 
 def weights_key(model: torch.nn.Module) -> tuple:

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import (
 )
 
 from .attention import MaskState, attention, mask_state, pad, unpad
+from .compiled import attend_spans
 from .configuration_esm2 import ESM2Config
 from .embedding import ResidueEncoder
 from .plm_base import FastPLMPreTrainedModel, classification_loss
@@ -80,14 +81,6 @@ class ESM2Layer(nn.Module):
         """Output projection of packed attention outputs (tokens, heads, head_dim), residuals and MLP."""
         h = h + self.out_proj(attended.reshape(h.shape))
         return h + self.fc2(F.gelu(self.fc1(self.mlp_norm(h))))
-
-
-def _layer_attention_inputs(layer: ESM2Layer, h, cos, sin):
-    return tuple(t.transpose(0, 1).contiguous() for t in layer.attention_inputs(h, cos, sin))
-
-
-def _layer_finish(layer: ESM2Layer, h, attended):
-    return layer.finish(h, attended.transpose(0, 1))
 
 
 class ESM2PreTrainedModel(FastPLMPreTrainedModel):
@@ -229,18 +222,11 @@ class ESM2Model(ESM2PreTrainedModel):
         indices = valid.flatten().nonzero().flatten()
         bounds = [0, *valid.sum(-1).cumsum(0).tolist()]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        before, after = compile(_layer_attention_inputs), compile(_layer_finish)
+        before, after = compile(ESM2Layer.attention_inputs), compile(ESM2Layer.finish)
         h, cos, sin = self._packed_inputs(input_ids, valid, indices)
         for layer in self.layers:
-            q, k, v = before(layer, h, cos, sin)  # (heads, tokens, head_dim) each
-            attended = torch.cat(
-                [
-                    F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b], scale=1.0)[0]
-                    for a, b in spans
-                ],
-                dim=1,
-            )
-            h = after(layer, h, attended)
+            q, k, v = before(layer, h, cos, sin)  # (tokens, heads, head_dim) each
+            h = after(layer, h, attend_spans(q, k, v, spans, compile))
         return pad(self.final_norm(h), indices, batch, seq)
 
     def predict_contacts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
