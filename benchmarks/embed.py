@@ -675,7 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=None, help="run only cases whose label contains this text")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "int8"), help="run only cases in this dtype")
+    parser.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16", "int8"), help="run only cases in this dtype"
+    )
     parser.add_argument("--all-cases", action="store_true", help="every case on the short profile too")
     parser.add_argument("--force-bf16", action="store_true", help="run BF16 cases even without native BF16")
     parser.add_argument("--no-profile-ops", action="store_true", help="skip the profiled fastplms run")
