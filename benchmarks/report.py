@@ -88,6 +88,8 @@ def _status(summary: dict) -> str:
 
 
 def _find(results: list[dict], **match) -> list[dict]:
+    """Measured rows whose case has these values; profiled runs (slowed by the profiler) only on request."""
+    match.setdefault("profile_ops", None)
     return [
         r
         for r in results
@@ -168,31 +170,60 @@ def _share(ops: list[dict], *needles: str) -> float:
     return sum(op["share"] for op in ops if any(n in op["op"] for n in needles))
 
 
+GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "mkldnn", "mkl_linear")
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "flex_attention")
+
+
+def _costs(row: dict) -> dict[str, float]:
+    """CPU seconds per 1,000 residues of a profiled run: matmuls, attention, everything else."""
+    ops, residues = row["summary"]["ops"], row["summary"]["residues"]
+    total = ops[0]["self_s"] / ops[0]["share"]
+    gemm = sum(op["self_s"] for op in ops if any(n in op["op"] for n in GEMM_OPS))
+    attention = sum(op["self_s"] for op in ops if any(n in op["op"] for n in ATTENTION_OPS))
+    per = 1000 / residues
+    return {"gemm": gemm * per, "attention": attention * per, "other": (total - gemm - attention) * per}
+
+
 def analysis(data: dict) -> list[str]:
     """Bullets explaining this record's numbers: what limits fastplms, compile break-even, budgets."""
     results, peak = data["results"], data.get("matmul_peak") or {}
     out = []
     ours = _find(results, engine="ours", label="fastplms default", dtype="float32")
     eager = _find(results, engine="ours", label="fastplms default, compile=False", dtype="float32")
-    profiled = [r for r in results if r["case"].get("profile_ops") and r["summary"].get("ops")]
-    if ours and profiled and "fraction_of_fp32_peak" in ours[0]["summary"]:
-        ops = profiled[0]["summary"]["ops"]
-        gemm = _share(ops, "aten::addmm", "aten::mm", "aten::linear", "mkldnn", "mkl_linear")
-        attn = _share(ops, "scaled_dot_product", "flash_attention", "flex_attention")
-        fused = _share(ops, "CompiledFxGraph")
+    prof_ours = [r for r in _find(results, engine="ours", profile_ops=True) if r["summary"].get("ops")]
+    prof_hf = [r for r in _find(results, engine="transformers", profile_ops=True) if r["summary"].get("ops")]
+    if ours and prof_ours and prof_hf and "fraction_of_fp32_peak" in ours[0]["summary"]:
+        a, b = _costs(prof_ours[0]), _costs(prof_hf[0])
+        model = data["model"]
+        ds = data["dataset"]
+        params = model["layers"] * (12 * model["hidden"] ** 2 + 9 * model["hidden"])
+        gemm_flops = 2 * params * (ds["residues"] + 2 * ds["records"]) / ds["residues"]  # per residue
+        gemm_rate = gemm_flops * 1000 / a["gemm"] / 1e9 if prof_ours[0]["summary"]["complete"] else None
         frac = ours[0]["summary"]["fraction_of_fp32_peak"]
+        ceiling = sum(b.values()) / (a["gemm"] + a["attention"])
+        hf_label = prof_hf[0]["case"]["label"].removesuffix(" (profiled)")
         out.append(
-            f"- **FP32 roofline.** fastplms runs at {frac:.0%} of the measured FP32 matmul peak. In the profiled "
-            f"run, matrix multiplications (`addmm`) take {gemm:.0%} of the CPU time, attention {attn:.0%} and the "
-            f"compiled fused elementwise kernels (LayerNorm, rotary, GELU, residuals, layout copies) {fused:.0%}. "
-            f"If attention and everything else took no time at all, the GEMMs alone, at the speed they run here, "
-            f"would reach {min(frac / gemm, 9.99):.0%} of the peak"
-            + (" — below the 80% target: the target is out of reach on this CPU" if frac / gemm < 0.8 else "")
-            + ". Attention is the second cost: with head_dim 24 (480 / 20 heads) the CPU flash-attention kernel "
-            "does tiny GEMMs per block and runs far below the matmul peak. What would reach the target: a CPU "
-            "attention kernel built for small head dims (all heads of a block in one GEMM, softmax fused), "
-            "GEMMs with fused bias/GELU epilogues at the peak, or lower-precision matmuls on a CPU that has "
-            "them (AVX512-BF16/AMX, VNNI INT8)."
+            f"- **FP32: where the time goes.** fastplms runs at {frac:.0%} of the measured FP32 matmul peak. "
+            f"Seconds per 1,000 residues in the profiled runs (torch.profiler self time): fastplms "
+            f"{a['gemm']:.2f} in matmuls, {a['attention']:.2f} in attention, {a['other']:.2f} in everything "
+            f"else; {hf_label} {b['gemm']:.2f}, {b['attention']:.2f} and {b['other']:.2f}."
+            + (
+                f" fastplms' matmuls (projections and MLP on packed tokens) run at about {gemm_rate:.0f} GFLOP/s, "
+                f"{gemm_rate / peak['float32']['gflops']:.0%} of the square-`mm` peak: they cannot get faster."
+                if gemm_rate and peak
+                else ""
+            )
+            + f" If everything but matmuls and attention took no time, fastplms would be {ceiling:.2f}x faster "
+            "than this Transformers run"
+            + (
+                ": 1.3x is out of reach without faster attention. With head_dim 24 (480 / 20 heads) each "
+                "attention score costs 96 multiply-adds but one exponential, so ATen's CPU flash kernel is "
+                "bound by its softmax and runs far below the matmul peak in FP32 (a compiled "
+                "matmul-softmax-matmul measured slower still). What would reach 1.3x in exact FP32: a CPU "
+                "attention kernel with a cheaper exponential fused into the score tile."
+                if ceiling < 1.3
+                else "."
+            )
         )
     if ours and eager:
         a, b = ours[0]["summary"], eager[0]["summary"]
@@ -230,6 +261,16 @@ def analysis(data: dict) -> list[str]:
             f"GFLOP/s in BF16 against {peak['float32']['gflops']:.0f} in FP32, so BF16 is slower than FP32 for "
             "every engine and the BF16 cases are skipped (`--force-bf16` runs them). The BF16 targets need a "
             "CPU with AVX512-BF16 or AMX."
+        )
+    bf16 = _find(results, engine="ours", label="fastplms default", dtype="bfloat16")
+    bf16_eager = _find(results, engine="ours", label="fastplms default, compile=False", dtype="bfloat16")
+    if bf16 and bf16_eager and any(bf16[0]["summary"].get("compiled") or []):
+        out.append(
+            f"- **BF16 attention.** The compiled path runs CPU BF16 attention as compiled matmuls with a float32 "
+            "softmax over a few heads at a time (`compiled.attend_spans`), because ATen's BF16 CPU flash kernel "
+            f"is slow at head_dim 24; the eager path keeps SDPA: {_num(_steady(bf16[0]))} vs "
+            f"{_num(_steady(bf16_eager[0]))} res/s. Scores are rounded to BF16 before the softmax, as in "
+            "fair-esm under BF16 autocast; see the error column."
         )
     cpp = _find(results, engine="esm-cpp")
     isa = (data.get("esm_cpp") or {}).get("isa")
@@ -327,12 +368,14 @@ def render(paths: list[Path]) -> str:
         notes = analysis(data)
         if notes:
             lines += ["", "### Findings", "", *notes]
-        profiled = [r for r in data["results"] if r["case"].get("profile_ops") and r["summary"].get("ops")]
-        if profiled:
-            summary = profiled[0]["summary"]
+        for row in data["results"]:
+            if not (row["case"].get("profile_ops") and row["summary"].get("ops")):
+                continue
+            summary = row["summary"]
             lines += [
                 "",
-                "### Where fastplms spends its time (torch.profiler, self CPU time, default settings, FP32)",
+                f"### Where {row['case']['label'].removesuffix(' (profiled)')} spends its time "
+                f"(torch.profiler, self CPU time, FP32, {_num(summary['residues'])} residues)",
                 "",
                 "| op | share | self s |",
                 "| --- | --- | --- |",
