@@ -27,6 +27,16 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.esmc import FLOPS_FORMULA as ESMC_FLOPS_FORMULA
+from benchmarks.esmc import (
+    ORACLE_PYTHON,
+    child_esmc_official,
+    esmc_cases,
+    esmc_flops,
+    oracle_status,
+    prepare_esmc_assets,
+)
+
 REPO = Path(__file__).resolve().parent.parent
 REPORTS = REPO / "reports" / "benchmarks"
 CACHE = Path(os.environ.get("FASTPLMS_BENCH_CACHE", Path.home() / ".cache" / "fastplms-bench"))
@@ -49,8 +59,14 @@ SHORT_PROFILE_CASES = (
     "fair-esm ESM2 toks_per_batch=4096",
     "esm-cpp",
 )
-# Checkpoint id -> (layers, hidden, heads); the manifest ids our builder accepts.
-MODELS = {"esm2_8m": (6, 320, 20), "esm2_35m": (12, 480, 20), "esm2_650m": (33, 1280, 20)}
+# Checkpoint id -> (layers, hidden, heads); the manifest ids our builder accepts. esmc_* runs benchmarks/esmc.py.
+MODELS = {
+    "esm2_8m": (6, 320, 20),
+    "esm2_35m": (12, 480, 20),
+    "esm2_650m": (33, 1280, 20),
+    "esmc_300m": (30, 960, 15),
+    "esmc_600m": (36, 1152, 18),
+}
 
 
 # ---------------------------------------------------------------------------------------------- dataset
@@ -122,6 +138,8 @@ def prepare_assets(model: str, seed: int) -> dict[str, str]:
 
     layers, hidden, heads = MODELS[model]
     root = CACHE / f"{model}-seed{seed}"
+    if model.startswith("esmc"):
+        return prepare_esmc_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
     hf = root / "hf"
     if not (hf / "model.safetensors").exists():
         write_hf_snapshot(hf, layers, hidden, heads, seed=seed)
@@ -426,6 +444,7 @@ CHILDREN = {
     "transformers": child_transformers,
     "fair-esm": child_fair_esm,
     "ours": child_ours,
+    "esmc-official": child_esmc_official,
 }
 
 
@@ -565,17 +584,23 @@ def plan_cases(args, peaks: dict | None, esmcpp: dict) -> list[dict]:
     if not gpu:
         for mode in ("float32",) if args.quick else ("float32", "int8"):
             cases.append({"engine": "esm-cpp", "label": "esm-cpp", "dtype": mode, "chunk": 1})
+    for case in cases:
+        if case["engine"] == "esm-cpp" and not esmcpp["available"]:
+            case["skip"] = {"status": "unavailable", "error": esmcpp["error"]}
+    return cases
+
+
+def mark_slow_bf16(cases: list[dict], args, peaks: dict | None) -> list[dict]:
+    """Record BF16 cases as skipped on a CPU without native BF16 matmul (unless --force-bf16)."""
     slow_bf16 = (
         peaks is not None
-        and not gpu
+        and not args.device.startswith("cuda")
         and peaks["bfloat16"]["gflops"] < peaks["float32"]["gflops"] / 4
         and not args.force_bf16
     )
     for case in cases:
         case["device"] = args.device
-        if case["engine"] == "esm-cpp" and not esmcpp["available"]:
-            case["skip"] = {"status": "unavailable", "error": esmcpp["error"]}
-        elif slow_bf16 and case["dtype"] == "bfloat16":
+        if slow_bf16 and case["dtype"] == "bfloat16" and "skip" not in case:
             case["skip"] = {
                 "status": "skipped",
                 "error": (
@@ -590,6 +615,8 @@ def plan_cases(args, peaks: dict | None, esmcpp: dict) -> list[dict]:
 def spawn(case: dict, timeout: float) -> dict:
     if case["engine"] == "esm-cpp":
         command = [str(ESMCPP_PYTHON), str(ESMCPP_CHILD), json.dumps(case)]
+    elif case["engine"] == "esmc-official":
+        command = [str(ORACLE_PYTHON), "-m", "benchmarks.embed", "--child", json.dumps(case)]
     else:
         command = [sys.executable, "-m", "benchmarks.embed", "--child", json.dumps(case)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "src")])}
@@ -683,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default=None, help="run only cases whose label contains this text")
+    parser.add_argument("--only", default=None, help="run only cases whose label contains this text (A|B: either)")
     parser.add_argument(
         "--dtype", default=None, choices=("float32", "bfloat16", "int8"), help="run only cases in this dtype"
     )
@@ -711,7 +738,11 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     print(f"[bench] preparing assets ({args.model}, seed {args.seed}) in {CACHE}", flush=True)
     assets = prepare_assets(args.model, args.seed)
-    esmcpp = esm_cpp_status() if not gpu else {"available": False, "error": "esm-cpp is a CPU engine"}
+    esmc = args.model.startswith("esmc")
+    if esmc:
+        oracle = oracle_status()
+    else:
+        esmcpp = esm_cpp_status() if not gpu else {"available": False, "error": "esm-cpp is a CPU engine"}
     layers, hidden, _heads = MODELS[args.model]
     args.out.mkdir(parents=True, exist_ok=True)
     timeout = args.max_seconds + 900
@@ -721,20 +752,21 @@ def main(argv: list[str] | None = None) -> int:
             CACHE / f"{profile}-{args.records}-seed{args.seed}.fasta", profile, args.records, args.seed
         )
         lengths = dataset_lengths(profile, args.records, args.seed)
-        flops_per_residue = useful_flops(lengths, layers, hidden) / sum(lengths)
+        flops_per_residue = (esmc_flops if esmc else useful_flops)(lengths, layers, hidden) / sum(lengths)
         peak_runs = []
         peaks = None
         if not gpu:
             peak_runs.append(spawn({"engine": "peak", "device": args.device}, timeout))
             peaks = peak_runs[-1].get("peak")
-        cases = plan_cases(args, peaks, esmcpp)
-        if profile == "short" and not args.all_cases:
+        cases = esmc_cases(args, oracle) if esmc else plan_cases(args, peaks, esmcpp)
+        cases = mark_slow_bf16(cases, args, peaks)
+        if profile == "short" and not args.all_cases and not esmc:
             cases = [c for c in cases if c["label"] in SHORT_PROFILE_CASES]
         if args.only:
-            cases = [c for c in cases if args.only in c["label"]]
+            cases = [c for c in cases if any(term in c["label"] for term in args.only.split("|"))]
         if args.dtype:
             cases = [c for c in cases if c["dtype"] == args.dtype]
-        if not args.no_profile_ops and not args.quick and profile == "lognormal":
+        if not args.no_profile_ops and not args.quick and profile == "lognormal" and not esmc:
             # One profiled run each of ours and the best-known baseline: where each spends its time.
             profiled = {"dtype": "float32", "profile_ops": True, "device": args.device, "repeats": 1}
             cases.append({"engine": "ours", "label": "fastplms default (profiled)", "backend": "default", **profiled})
@@ -748,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         for case in cases:
-            case.update(dataset=str(dataset), assets=assets, max_seconds=args.max_seconds)
+            case.update(dataset=str(dataset), assets=assets, max_seconds=args.max_seconds, model=args.model)
         runs: dict[int, list[dict]] = {i: [] for i in range(len(cases))}
         for repeat in range(args.repeats):
             for i, case in enumerate(cases):
@@ -781,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
             (
                 runs[i][0]["check"]
                 for i, c in enumerate(cases)
-                if c["engine"] == "transformers"
+                if c["engine"] == ("esmc-official" if esmc else "transformers")
                 and c.get("batching") == "sorted"
                 and c["dtype"] == "float32"
                 and runs[i]
@@ -811,12 +843,15 @@ def main(argv: list[str] | None = None) -> int:
                 "seed": args.seed,
             },
             "flops_per_residue": flops_per_residue,
-            "flops_formula": (
+            "flops_formula": ESMC_FLOPS_FORMULA
+            if esmc
+            else (
                 "per sequence of L residues, T = L + 2 tokens: T * 2 * P + layers * 4 * hidden * T^2, "
                 "P = layers * (12 * hidden^2 + 9 * hidden); divided by the residues of the dataset"
             ),
+            "reference": "official ESMC FP32" if esmc else "Transformers FP32",
             "matmul_peak": peaks,
-            "esm_cpp": esmcpp,
+            **({"esmc_official": oracle} if esmc else {"esm_cpp": esmcpp}),
             "settings": {
                 "repeats": args.repeats,
                 "max_seconds": args.max_seconds,

@@ -105,8 +105,49 @@ def _steady(row: dict | None) -> float | None:
     return None if row is None else row["summary"]["steady_res_per_s"]["median"]
 
 
+def esmc_targets(data: dict) -> list[tuple[str, str, str]]:
+    """ESMC has no numeric targets: fastplms against the official code, per dtype, and the output check."""
+    results, rows = data["results"], []
+    for dtype in ("float32", "bfloat16"):
+        ours = _find(results, engine="ours", label="fastplms default", dtype=dtype)
+        official = _best(_find(results, engine="esmc-official", dtype=dtype))
+        if ours and official:
+            value = _steady(ours[0]) / _steady(official)
+            rows.append(
+                (
+                    f"{dtype}: faster than the official ESMC length-sorted at its best budget "
+                    f"({official['case']['budget']})",
+                    f"{value:.2f}x ({_num(_steady(ours[0]))} vs {_num(_steady(official))} res/s)",
+                    "met" if value > 1 else "missed",
+                )
+            )
+    ours = _find(results, engine="ours", label="fastplms default", dtype="float32")
+    same = _find(results, engine="esmc-official", dtype="float32", budget=4096)
+    if ours and same:
+        a, b = ours[0]["summary"]["peak_rss_mb"]["median"], same[0]["summary"]["peak_rss_mb"]["median"]
+        rows.append(
+            (
+                "peak RSS <= official ESMC at the same budget (4096)",
+                f"{_num(a)} MB vs {_num(b)} MB",
+                "met" if a <= b else "missed",
+            )
+        )
+    if ours and ours[0]["summary"].get("max_rel_err_vs_transformers_fp32") is not None:
+        err = ours[0]["summary"]["max_rel_err_vs_transformers_fp32"]
+        rows.append(
+            (
+                "FP32 outputs equal the official ESMC (max relative error <= 1e-5)",
+                f"{err:.1e}",
+                "met" if err <= 1e-5 else "missed",
+            )
+        )
+    return rows
+
+
 def targets(data: dict) -> list[tuple[str, str, str]]:
     """(target, measured, verdict) rows for this record's numbers."""
+    if data["model"]["id"].startswith("esmc"):
+        return esmc_targets(data)
     results = data["results"]
     ours = _find(results, engine="ours", backend="default", dtype="float32", label="fastplms default")
     ours = ours[0] if ours else None
@@ -310,10 +351,18 @@ def render(paths: list[Path]) -> str:
         f"(torch CPU capability {machine['torch_cpu_capability']}) |",
         f"| software | torch {machine['torch']}, transformers {machine['transformers']}, fair-esm "
         f"{machine.get('fair_esm')}, Python {machine['python']} |",
-        f"| esm-cpp | {_esmcpp(first['esm_cpp'])} |",
-        f"| model | seeded {first['model']['id']}: {first['model']['layers']} layers, hidden "
-        f"{first['model']['hidden']}, {first['model']['heads']} heads (seed {first['model']['seed']}) |",
     ]
+    esm_cpp = next((d["esm_cpp"] for d in records if "esm_cpp" in d), None)
+    oracle = next((d["esmc_official"] for d in records if "esmc_official" in d), None)
+    if esm_cpp is not None:
+        lines.append(f"| esm-cpp | {_esmcpp(esm_cpp)} |")
+    if oracle is not None:
+        lines.append(f"| official ESMC | EvolutionaryScale `esm` {oracle.get('version', '–')} in `.venv-esmc` |")
+    for model in {d["model"]["id"]: d["model"] for d in records}.values():
+        lines.append(
+            f"| model | seeded {model['id']}: {model['layers']} layers, hidden {model['hidden']}, "
+            f"{model['heads']} heads (seed {model['seed']}) |"
+        )
     for data in records:
         lines.append(
             f"| run `{data['started']}` | `{data['command']}`; load average "
@@ -327,16 +376,20 @@ def render(paths: list[Path]) -> str:
         "FLOPs per residue count the matmuls of an unpadded encoder forward (no LM head): for a sequence of "
         "L residues, T = L + 2 tokens, `T * 2 * P + layers * 4 * hidden * T^2` with "
         "`P = layers * (12 * hidden^2 + 9 * hidden)` (Q, K, V, output, fc1, fc2 weights and biases; the "
-        "second term is Q K^T and P V), summed over the dataset and divided by its residues. Model "
-        "GFLOP/s = steady residues/s x FLOPs per residue; padding and recomputation count as waste.",
+        "second term is Q K^T and P V), summed over the dataset and divided by its residues; ESMC: "
+        "`P = layers * (4 * hidden^2 + 3 * hidden * F)` (bias-free fused QKV, output projection and SwiGLU "
+        "with F = 8/3 hidden rounded up to 256). Model GFLOP/s = steady residues/s x FLOPs per residue; "
+        "padding and recomputation count as waste.",
         "",
-        "| profile | records | residues | median length | FLOPs/residue | FP32 peak GFLOP/s | BF16 peak GFLOP/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | profile | records | residues | median length | FLOPs/residue | FP32 peak GFLOP/s | "
+        "BF16 peak GFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for data in records:
         ds, peak = data["dataset"], data.get("matmul_peak") or {}
         lines.append(
-            f"| {ds['profile']} | {ds['records']} | {_num(ds['residues'])} | {_num(ds['median_length'])} | "
+            f"| {data['model']['id']} | {ds['profile']} | {ds['records']} | {_num(ds['residues'])} | "
+            f"{_num(ds['median_length'])} | "
             f"{data['flops_per_residue'] / 1e6:.1f} M | {_num(peak.get('float32', {}).get('gflops'), 1)} | "
             f"{_num(peak.get('bfloat16', {}).get('gflops'), 2)} |"
         )
@@ -344,11 +397,13 @@ def render(paths: list[Path]) -> str:
         ds = data["dataset"]
         lines += [
             "",
-            f"## {ds['profile']} profile ({ds['records']} records, {_num(ds['residues'])} residues, "
+            f"## {data['model']['id']}, {ds['profile']} profile ({ds['records']} records, "
+            f"{_num(ds['residues'])} residues, "
             f"time cap {_num(data['settings']['max_seconds'])} s per case)",
             "",
             "| case | dtype | steady res/s | end-to-end res/s | first result s | compile s | load s | "
-            "peak RSS MB | model GFLOP/s | % FP32 peak | max rel. err vs Transformers FP32 | load | notes |",
+            f"peak RSS MB | model GFLOP/s | % FP32 peak | max rel. err vs {data.get('reference', 'Transformers FP32')} "
+            "| load | notes |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in data["results"]:
@@ -420,6 +475,11 @@ NOTES = [
     "to a slow reference GEMM (see the BF16 peak), so every BF16 case, ours included, is recorded as "
     "skipped with the measured peaks; `--force-bf16` runs them anyway. The BF16 targets can only be "
     "assessed on a CPU with native BF16.",
+    "- **ESMC runs** (`--model esmc_300m` or `esmc_600m`) compare fastplms with the official EvolutionaryScale "
+    "`ESMC` (its `_tokenize` padding, `sequence_tokens` only, SDPA), length-sorted under each budget, in its own "
+    "venv (`tools/goldens/setup_esmc_venv.sh`, set up on first use); both load the same seeded official "
+    "`.pth`. No Transformers, fair-esm or esm-cpp ESMC exists. ESMC has no compiled fastplms path yet: "
+    "its rows run eager.",
     "- **Outputs** are compared on the mean-pooled embeddings of the first 16 records (esm-cpp: the first "
     "4), which every engine embeds again after its timed run on the path it was timed on.",
     "- **GPU mode** (`--device cuda`, the default when CUDA is present) runs ESM2-650M dims in BF16: "

@@ -126,3 +126,38 @@ def test_compiled_path_under_bf16_autocast_matches_eager_bf16(model):
         # Both round to BF16 at the same places; only summation order differs.
         assert _rel(a.pooled, b.pooled) <= 2e-2
         assert _rel(a.pooled, ref.pooled) <= 5e-2
+
+
+def seeded_esmc(dims: tuple[int, int, int]):
+    """ESMC with seeded official-layout weights (`esmc_reference`), converted by the real converter."""
+    from fastplms.configuration_esmc import ESMCConfig
+    from fastplms.convert_esmc import from_esm
+    from fastplms.esmc_reference import esmc_official_state_dict
+    from fastplms.modeling_esmc import ESMCModel
+
+    layers, hidden, heads = dims
+    state = from_esm(esmc_official_state_dict(layers, hidden, heads, seed=0))
+    model = ESMCModel(ESMCConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads))
+    model.load_state_dict({k.removeprefix("esmc."): v for k, v in state.items() if k.startswith("esmc.")})
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
+def test_esmc_compiled_path_equals_eager_path():
+    """ESMC takes the same compiled path (its own layer halves; scaled scores instead of a pre-scaled q)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = seeded_esmc((2, 64, 4))
+        sequences = random_sequences((150, 1, 40, 97), seed=4)
+        eager = model.embed_dataset(sequences, compile=False, per_residue=True)
+        compiled = model.embed_dataset(sequences, compile=True, per_residue=True)
+        assert _runner(model).calls > 0
+        for a, b in zip(compiled.records, eager.records, strict=True):
+            assert _rel(a.pooled, b.pooled) <= REL
+            assert _rel(a.residues, b.residues) <= REL
+        bf16 = model.embed_dataset(sequences, dtype="bfloat16", compile=True)
+        for a, b in zip(bf16.records, eager.records, strict=True):
+            assert _rel(a.pooled, b.pooled) <= 5e-2
+    finally:
+        torch.set_num_threads(threads)

@@ -27,35 +27,43 @@ COMPILED_BACKENDS = ("sdpa",)
 SCORE_CHUNK_ELEMENTS = 1 << 19
 
 
-def _attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Unmasked attention of (heads, length, head_dim) q (pre-scaled), k, v; softmax in float32."""
-    scores = torch.matmul(q, k.transpose(-1, -2))
+def _attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Unmasked attention of (heads, length, head_dim) q, k, v; softmax in float32."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # fused into the softmax; exact when scale is 1
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
-def attend_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, compile: Callable) -> torch.Tensor:
+def attend_spans(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, compile: Callable, scale: float = 1.0
+) -> torch.Tensor:
     """Attention of each sequence over its own tokens, on packed (tokens, heads, head_dim) q, k, v.
 
-    `spans` are the (start, stop) token ranges of the sequences. This is what the padded, masked SDPA
-    computes, without padding or mask. FP32 (and GPU) runs SDPA per sequence. CPU BF16 runs the scores,
-    a float32 softmax and the weighted sum as compiled matmuls over a few heads at a time: ATen's CPU
-    flash kernel in BF16 reaches about 110 GFLOP/s at head_dim 24 where this reaches about 150
-    (docs/benchmarks.md). The scores are rounded to BF16 before the softmax, as fair-esm's BF16 autocast
-    run does.
+    `spans` are the (start, stop) token ranges of the sequences; `scale` multiplies the scores (1.0 when q
+    comes pre-scaled, as in ESM2). This is what the padded, masked SDPA computes, without padding or mask.
+    FP32 (and GPU) runs SDPA per sequence: on CPU nothing measured faster. CPU BF16 runs the scores, a
+    float32 softmax and the weighted sum as compiled matmuls over a few heads at a time, because ATen's
+    BF16 CPU flash kernel is slow at small head dims (measured on an AVX512-BF16 CPU: ESM2's 20 heads of 24
+    at 300-600 tokens 83-94 GFLOP/s against 110-137, ESMC's 15 heads of 64 126-165 against 238-309; end to
+    end, the BF16 rows of docs/benchmarks.md). Sequences longer than sqrt(SCORE_CHUNK_ELEMENTS) tokens keep
+    SDPA: their scores no longer fit the cache and the kernel wins at head_dim 24. The scores are rounded
+    to BF16 before the softmax, as under fair-esm's BF16 autocast.
     """
-    outputs = []
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        chunk_fn = compile(_attention_chunk)
-        heads = q.shape[1]
-        for a, b in spans:
+    chunked = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    heads, outputs = q.shape[1], []
+    for a, b in spans:
+        if chunked and (b - a) ** 2 <= SCORE_CHUNK_ELEMENTS:
             qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-            step = max(1, min(heads, SCORE_CHUNK_ELEMENTS // (b - a) ** 2))
-            parts = [chunk_fn(qs[i : i + step], ks[i : i + step], vs[i : i + step]) for i in range(0, heads, step)]
+            # Contiguous chunks of at least two heads: strides, storage offsets and sizes of 0 or 1 are
+            # specialized by the compiler, so anything else would recompile the function mid-job.
+            chunks = heads // max(2, min(heads, SCORE_CHUNK_ELEMENTS // (b - a) ** 2)) or 1
+            parts = [
+                compile(_attention_chunk)(*(t.contiguous() for t in chunk), scale)
+                for chunk in zip(*(t.tensor_split(chunks) for t in (qs, ks, vs)), strict=True)
+            ]
             outputs.append(torch.cat(parts).transpose(0, 1))
-    else:
-        for a, b in spans:
+        else:
             qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
-            outputs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=1.0)[0].transpose(0, 1))
+            outputs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1))
     return torch.cat(outputs)
 
 

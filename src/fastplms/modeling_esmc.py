@@ -39,6 +39,7 @@ from transformers.modeling_outputs import (
 )
 
 from .attention import FLASH_BACKENDS, MaskState, attention, mask_state, pad, unpad
+from .compiled import attend_spans
 from .configuration_esmc import ESMCConfig
 from .embedding import ResidueEncoder
 from .plm_base import FastPLMPreTrainedModel, classification_loss
@@ -71,32 +72,37 @@ class ESMCLayer(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, d, bias=False)
 
     def forward(self, h, cos, sin, state: MaskState, indices, backend: str, want_probs: bool, lockfile=None):
-        tokens, d = h.shape
         batch, seq = state.valid.shape
-        head_dim = d // self.num_heads
-        q, k, v = self.qkv(self.attn_norm(h)).chunk(3, dim=-1)
-        # The norms run in float32 under autocast; back to the projection dtype, as the official code does.
-        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        q, k, v = (t.reshape(tokens, self.num_heads, head_dim) for t in (q, k, v))
-        # Rotary tables in the q/k dtype (bf16 under autocast), as the official cache is built.
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        q, k, v = (pad(t, indices, batch, seq).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (pad(t, indices, batch, seq).transpose(1, 2) for t in self.attention_inputs(h, cos, sin))
         result = attention(
             q,
             k,
             v,
             backend=backend,
             state=state,
-            scale=head_dim**-0.5,
+            scale=q.shape[-1] ** -0.5,
             return_probs=want_probs,
             flash_lockfile=lockfile,
         )
         out, probs = result if want_probs else (result, None)
-        h = h + self.out_proj(unpad(out, indices).reshape(tokens, d)) / self.residual_scale
+        return self.finish(h, unpad(out, indices)), probs
+
+    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Packed (tokens, heads, head_dim) q, k, v with the q/k norms and rotary applied."""
+        tokens, d = h.shape
+        q, k, v = self.qkv(self.attn_norm(h)).chunk(3, dim=-1)
+        # The norms run in float32 under autocast; back to the projection dtype, as the official code does.
+        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        q, k, v = (t.reshape(tokens, self.num_heads, d // self.num_heads) for t in (q, k, v))
+        # Rotary tables in the q/k dtype (bf16 under autocast), as the official cache is built.
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection of packed attention outputs (tokens, heads, head_dim), scaled residuals, MLP."""
+        h = h + self.out_proj(attended.reshape(h.shape)) / self.residual_scale
         gate, value = self.fc1(self.mlp_norm(h)).chunk(2, dim=-1)
-        h = h + self.fc2(F.silu(gate) * value) / self.residual_scale
-        return h, probs
+        return h + self.fc2(F.silu(gate) * value) / self.residual_scale
 
 
 class ESMCPreTrainedModel(FastPLMPreTrainedModel):
@@ -228,15 +234,7 @@ class ESMCModel(ESMCPreTrainedModel):
         backend = self.attention_backend(output_attentions, warn=warn_eager)
         state = self._mask_state(input_ids, attention_mask, sequence_id, backend)
         indices = state.valid.flatten().nonzero().flatten()
-        h = self.embed_tokens(input_ids.flatten().index_select(0, indices))
-        # Computed per call rather than kept as a buffer: Transformers leaves non-persistent buffers
-        # uninitialized after from_pretrained, and the formula costs nothing.
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=indices.device) / head_dim
-        inv_freq = 1 / self.config.rope_theta**exponent
-        freqs = (indices % seq).float()[:, None] * inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = angles.cos(), angles.sin()
+        h, cos, sin = self._packed_inputs(input_ids, indices)
         lockfile = self.flash_lockfile() if backend.startswith("flash") else None
         hidden = [h] if output_hidden_states else None
         attentions = [] if output_attentions else None
@@ -247,6 +245,41 @@ class ESMCModel(ESMCPreTrainedModel):
             if output_attentions:
                 attentions.append(probs)
         return _Encoded(self.final_norm(h), indices, batch, seq, hidden, attentions)
+
+    def _packed_inputs(self, input_ids: torch.Tensor, indices: torch.Tensor):
+        """Embeddings of the valid tokens and their rotary tables (float32; positions = index in the row)."""
+        seq = input_ids.shape[1]
+        h = self.embed_tokens(input_ids.flatten().index_select(0, indices))
+        # Computed per call rather than kept as a buffer: Transformers leaves non-persistent buffers
+        # uninitialized after from_pretrained, and the formula costs nothing.
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=indices.device) / head_dim
+        inv_freq = 1 / self.config.rope_theta**exponent
+        freqs = (indices % seq).float()[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return h, angles.cos(), angles.sin()
+
+    def embedding_core(self, input_ids: torch.Tensor, valid: torch.Tensor, compile) -> torch.Tensor:
+        """Last hidden states (b, s, d) for `embed_dataset`'s compiled path (`compiled.py`), sdpa semantics.
+
+        `valid` is an already-checked boolean (b, s) mask with a valid token in every row: one sequence per
+        row, as `embed_dataset` batches them. The two halves of a layer around attention are compiled once
+        (dynamic token counts) and run for every layer on packed tokens; attention runs per sequence on its
+        own tokens. Same function as `forward` with that mask (sdpa backend).
+        """
+        self._check_inputs(input_ids)
+        self.check_dtypes(input_ids.device.type)
+        batch, seq = input_ids.shape
+        indices = valid.flatten().nonzero().flatten()
+        bounds = [0, *valid.sum(-1).cumsum(0).tolist()]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        before, after = compile(ESMCLayer.attention_inputs), compile(ESMCLayer.finish)
+        h, cos, sin = self._packed_inputs(input_ids, indices)
+        scale = (self.config.hidden_size // self.config.num_attention_heads) ** -0.5
+        for layer in self.layers:
+            q, k, v = before(layer, h, cos, sin)
+            h = after(layer, h, attend_spans(q, k, v, spans, compile, scale))
+        return pad(self.final_norm(h), indices, batch, seq)
 
     def forward(
         self,
