@@ -218,6 +218,24 @@ def _mean_pool_hidden(hidden, mask):
     return (hidden.float().masked_fill(~keep, 0).sum(1) / keep.sum(1)).cpu()
 
 
+def timed_batches(run, batches: list[list[int]], lengths: list[int], case: dict) -> dict:
+    """`run(record indices)` over the batches until done or past the case's time cap, then over the check
+    panel (the first CHECK_RECORDS records, 8 at a time): the timer's summary plus `check` embeddings."""
+    import torch
+
+    timer, deadline = _Timer(), time.perf_counter() + case["max_seconds"]
+    done = 0
+    for batch in batches:
+        run(batch)
+        _sync(case["device"])
+        done += sum(lengths[i] for i in batch)
+        timer.mark(done)
+        if time.perf_counter() > deadline:
+            break
+    check = torch.cat([run(list(range(i, min(i + 8, CHECK_RECORDS)))) for i in range(0, CHECK_RECORDS, 8)])
+    return {**timer.summary(sum(lengths)), "check": check.tolist()}
+
+
 def child_matmul_peak(case: dict) -> dict:
     """Best GFLOP/s of square torch.mm per dtype; sizes grow until one product takes over a second."""
     import torch
@@ -288,19 +306,9 @@ def child_transformers(case: dict) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         profiler = profile(activities=[ProfilerActivity.CPU])
-    timer, deadline = _Timer(), time.perf_counter() + case["max_seconds"]
-    done = 0
     with profiler as prof:
-        for batch in batches:
-            run(batch)
-            _sync(device)
-            done += sum(lengths[i] for i in batch)
-            timer.mark(done)
-            if time.perf_counter() > deadline:
-                break
-    result = timer.summary(sum(lengths))
-    check = torch.cat([run(list(range(i, min(i + 8, CHECK_RECORDS)))) for i in range(0, CHECK_RECORDS, 8)])
-    out = {"status": "ok", "load_s": load_s, **result, "check": check.tolist(), **_memory(device)}
+        result = timed_batches(run, batches, lengths, case)
+    out = {"status": "ok", "load_s": load_s, **result, **_memory(device)}
     if prof is not None:
         out["ops"] = _top_ops(prof)
     return out

@@ -116,15 +116,7 @@ def child_esmc_official(case: dict) -> dict:
     from esm.models.esmc import ESMC
     from esm.tokenization import EsmSequenceTokenizer
 
-    from benchmarks.embed import (
-        CHECK_RECORDS,
-        _length_sorted_batches,
-        _mean_pool_hidden,
-        _memory,
-        _sync,
-        _Timer,
-        read_fasta,
-    )
+    from benchmarks.embed import _length_sorted_batches, _mean_pool_hidden, _memory, read_fasta, timed_batches
     from fastplms.esmc_reference import ESMC_DIMS
 
     device = case["device"]
@@ -149,15 +141,4 @@ def child_esmc_official(case: dict) -> dict:
             hidden_states = model(sequence_tokens=tokens).embeddings
         return _mean_pool_hidden(hidden_states, tokens != model.tokenizer.pad_token_id)
 
-    timer, deadline = _Timer(), time.perf_counter() + case["max_seconds"]
-    done = 0
-    for batch in batches:
-        run(batch)
-        _sync(device)
-        done += sum(lengths[i] for i in batch)
-        timer.mark(done)
-        if time.perf_counter() > deadline:
-            break
-    result = timer.summary(sum(lengths))
-    check = torch.cat([run(list(range(i, min(i + 8, CHECK_RECORDS)))) for i in range(0, CHECK_RECORDS, 8)])
-    return {"status": "ok", "load_s": load_s, **result, "check": check.tolist(), **_memory(device)}
+    return {"status": "ok", "load_s": load_s, **timed_batches(run, batches, lengths, case), **_memory(device)}
