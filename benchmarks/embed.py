@@ -36,6 +36,7 @@ from benchmarks.esmc import (
     oracle_status,
     prepare_esmc_assets,
 )
+from benchmarks.venvs import side_venv
 
 REPO = Path(__file__).resolve().parent.parent
 REPORTS = REPO / "reports" / "benchmarks"
@@ -218,6 +219,17 @@ def _mean_pool_hidden(hidden, mask):
     return (hidden.float().masked_fill(~keep, 0).sum(1) / keep.sum(1)).cpu()
 
 
+def case_autocast(case: dict):
+    """BF16 autocast on the case's device for BF16 cases (parameters stay FP32), else a no-op context."""
+    import contextlib
+
+    import torch
+
+    if case["dtype"] != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(case["device"]).type, dtype=torch.bfloat16)
+
+
 def timed_batches(run, batches: list[list[int]], lengths: list[int], case: dict) -> dict:
     """`run(record indices)` over the batches until done or past the case's time cap, then over the check
     panel (the first CHECK_RECORDS records, 8 at a time): the timer's summary plus `check` embeddings."""
@@ -288,11 +300,7 @@ def child_transformers(case: dict) -> dict:
         batches = [list(range(i, min(i + HF_INPUT_BATCH, len(records)))) for i in range(0, len(records), 16)]
     else:
         batches = _length_sorted_batches(lengths, case["budget"])
-    autocast = (
-        torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-        if case["dtype"] == "bfloat16"
-        else contextlib.nullcontext()
-    )
+    autocast = case_autocast(case)
 
     def run(indices):
         enc = tokenizer([records[i][1] for i in indices], return_tensors="pt", padding=True)
@@ -316,7 +324,6 @@ def child_transformers(case: dict) -> dict:
 
 def child_fair_esm(case: dict) -> dict:
     """fair-esm ESM2 the way its extract.py runs: FastaBatchedDataset.get_batch_indices(toks_per_batch)."""
-    import contextlib
 
     import torch
     from esm.data import FastaBatchedDataset
@@ -334,11 +341,7 @@ def child_fair_esm(case: dict) -> dict:
         dataset, collate_fn=alphabet.get_batch_converter(MAX_RESIDUES), batch_sampler=batches
     )
     layers = model.num_layers
-    autocast = (
-        torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-        if case["dtype"] == "bfloat16"
-        else contextlib.nullcontext()
-    )
+    autocast = case_autocast(case)
 
     def run(toks):
         toks = toks.to(device)
@@ -506,21 +509,11 @@ def machine_info() -> dict:
 
 def esm_cpp_status() -> dict:
     """Set up .venv-esmcpp if missing; a structured 'unavailable' with the exact error if it fails."""
-    if not ESMCPP_PYTHON.exists():
-        setup = subprocess.run(
-            ["bash", str(REPO / "benchmarks" / "setup_esm_cpp.sh")], capture_output=True, text=True, timeout=900
-        )
-        if setup.returncode != 0:
-            return {"available": False, "error": (setup.stderr or setup.stdout)[-2000:]}
-    probe = subprocess.run(
-        [str(ESMCPP_PYTHON), "-c", "import esm_cpp; print(esm_cpp.__version__, esm_cpp.current_isa())"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if probe.returncode != 0:
-        return {"available": False, "error": probe.stderr[-2000:]}
-    version, isa = probe.stdout.split()
+    probe = "import esm_cpp; print(esm_cpp.__version__, esm_cpp.current_isa())"
+    status = side_venv(ESMCPP_PYTHON, REPO / "benchmarks" / "setup_esm_cpp.sh", probe, setup_timeout=900)
+    if not status["available"]:
+        return status
+    version, isa = status["stdout"].split()
     return {"available": True, "version": version, "isa": isa}
 
 

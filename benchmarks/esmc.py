@@ -12,9 +12,10 @@ Not a runtime module: it may import anything the dev environment has.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
+
+from benchmarks.venvs import side_venv
 
 REPO = Path(__file__).resolve().parent.parent
 ORACLE_PYTHON = REPO / ".venv-esmc" / "bin" / "python"
@@ -65,19 +66,11 @@ def prepare_esmc_assets(model: str, seed: int, root: Path, artifact: Path) -> di
 
 def oracle_status() -> dict:
     """Set up .venv-esmc if missing; a structured 'unavailable' with the exact error if that fails."""
-    if not ORACLE_PYTHON.exists():
-        setup = subprocess.run(["bash", str(ORACLE_SETUP)], capture_output=True, text=True, timeout=1800)
-        if setup.returncode != 0:
-            return {"available": False, "error": (setup.stderr or setup.stdout)[-2000:]}
-    probe = subprocess.run(
-        [str(ORACLE_PYTHON), "-c", "import importlib.metadata as m; print(m.version('esm'))"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if probe.returncode != 0:
-        return {"available": False, "error": probe.stderr[-2000:]}
-    return {"available": True, "version": probe.stdout.strip()}
+    probe = "import importlib.metadata as m; print(m.version('esm'))"
+    status = side_venv(ORACLE_PYTHON, ORACLE_SETUP, probe, setup_timeout=1800)
+    if status["available"]:
+        return {"available": True, "version": status["stdout"]}
+    return status
 
 
 def esmc_cases(args, oracle: dict) -> list[dict]:
@@ -110,13 +103,19 @@ def esmc_cases(args, oracle: dict) -> list[dict]:
 def child_esmc_official(case: dict) -> dict:
     """EvolutionaryScale's ESMC (run with .venv-esmc's python): length-sorted padded batches, as its
     `_tokenize` pads them, `sequence_tokens` only (its mask comes from padding), SDPA (no flash-attn on CPU)."""
-    import contextlib
 
     import torch
     from esm.models.esmc import ESMC
     from esm.tokenization import EsmSequenceTokenizer
 
-    from benchmarks.embed import _length_sorted_batches, _mean_pool_hidden, _memory, read_fasta, timed_batches
+    from benchmarks.embed import (
+        _length_sorted_batches,
+        _mean_pool_hidden,
+        _memory,
+        case_autocast,
+        read_fasta,
+        timed_batches,
+    )
     from fastplms.esmc_reference import ESMC_DIMS
 
     device = case["device"]
@@ -129,11 +128,7 @@ def child_esmc_official(case: dict) -> dict:
     records = read_fasta(case["dataset"])
     lengths = [len(s) for _, s in records]
     batches = _length_sorted_batches(lengths, case["budget"])
-    autocast = (
-        torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-        if case["dtype"] == "bfloat16"
-        else contextlib.nullcontext()
-    )
+    autocast = case_autocast(case)
 
     def run(indices):
         tokens = model._tokenize([records[i][1] for i in indices]).to(device)

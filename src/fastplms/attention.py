@@ -40,9 +40,7 @@ def resolve_backend(name: object) -> str:
     """Return `name` if it is exactly one of ATTENTION_BACKENDS, else raise ValueError."""
     if isinstance(name, str) and name in ATTENTION_BACKENDS:
         return name
-    raise ValueError(
-        f"Unknown attention backend {name!r}. Valid names are exactly: {', '.join(ATTENTION_BACKENDS)}."
-    )
+    raise ValueError(f"Unknown attention backend {name!r}. Valid names are exactly: {', '.join(ATTENTION_BACKENDS)}.")
 
 
 def check_backend(name: object, allowed: Sequence[str], *, family: str) -> str:
@@ -50,8 +48,7 @@ def check_backend(name: object, allowed: Sequence[str], *, family: str) -> str:
     backend = resolve_backend(name)
     if backend not in allowed:
         raise ValueError(
-            f"Attention backend {backend!r} is not supported by {family}; "
-            f"its manifest declares: {', '.join(allowed)}."
+            f"Attention backend {backend!r} is not supported by {family}; its manifest declares: {', '.join(allowed)}."
         )
     return backend
 
@@ -91,9 +88,7 @@ def _check_binary_mask(attention_mask: torch.Tensor, shape: tuple[int, int] | No
         raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
     if attention_mask.ndim != 2 or (shape is not None and tuple(attention_mask.shape) != shape):
         expected = f"(batch, seq) = {shape}" if shape is not None else "(batch, seq)"
-        raise ValueError(
-            f"attention_mask must have shape {expected}; received {tuple(attention_mask.shape)}."
-        )
+        raise ValueError(f"attention_mask must have shape {expected}; received {tuple(attention_mask.shape)}.")
     if attention_mask.dtype == torch.bool:
         return attention_mask
     if attention_mask.is_floating_point() or attention_mask.is_complex():
@@ -128,8 +123,7 @@ def mask_state(
         expected = shape if shape is not None else (None if valid is None else tuple(valid.shape))
         if sequence_ids.ndim != 2 or (expected is not None and tuple(sequence_ids.shape) != expected):
             raise ValueError(
-                f"sequence_ids must have shape (batch, seq) = {expected}; "
-                f"received {tuple(sequence_ids.shape)}."
+                f"sequence_ids must have shape (batch, seq) = {expected}; received {tuple(sequence_ids.shape)}."
             )
         if bool((sequence_ids < -1).any()):
             raise ValueError("sequence_ids must be >= 0 for tokens and -1 for padding.")
@@ -261,9 +255,7 @@ def _varlen_from_state(state: MaskState) -> Varlen:
     seg_row, seg_id = row[first], seg_ids[first]
     pairs = seg_row * (int(seg_ids.max()) + 1) + seg_id
     if pairs.unique().numel() != pairs.numel():
-        raise ValueError(
-            "The packed (varlen) form needs each sequence id to be one contiguous run within its row."
-        )
+        raise ValueError("The packed (varlen) form needs each sequence id to be one contiguous run within its row.")
     lengths = torch.diff(torch.cat([first, first.new_tensor([indices.numel()])]))
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=valid.device)
     cu[1:] = lengths.cumsum(0)
@@ -307,9 +299,7 @@ def eager_attention(q, k, v, mask: torch.Tensor, scale: float, return_probs: boo
 
 
 def sdpa_attention(q, k, v, mask: torch.Tensor, scale: float):
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 _flex_compiled: dict[tuple, object] = {}
@@ -338,18 +328,14 @@ def _flex_call(q, k, v, block, scale, gqa):
     return flex_attention(q, k, v, block_mask=block, scale=scale, enable_gqa=gqa)
 
 
-def flash_attention_forward(
-    q, k, v, packing: Varlen, scale: float, causal: bool, implementation: str, lockfile=None
-):
+def flash_attention_forward(q, k, v, packing: Varlen, scale: float, causal: bool, implementation: str, lockfile=None):
     from .flash import flash_varlen_forward, load_flash_kernel
 
     kernel = load_flash_kernel(implementation, lockfile)
     b, _, s, _ = q.shape
     dtype = torch.bfloat16
     q, k, v = (unpad(t.transpose(1, 2), packing.indices).to(dtype) for t in (q, k, v))
-    out = flash_varlen_forward(
-        kernel, q, k, v, packing.cu_seqlens, packing.max_seqlen, scale=scale, causal=causal
-    )
+    out = flash_varlen_forward(kernel, q, k, v, packing.cu_seqlens, packing.max_seqlen, scale=scale, causal=causal)
     return pad(out, packing.indices, b, s).transpose(1, 2)
 
 
@@ -425,8 +411,6 @@ def attention(
         # Only `sequence` separates sequence ids; `padding` and `causal` see across them (as the dense
         # oracle does), so they pack one segment per row.
         packed = state if state.semantics == "sequence" else state._replace(ids=torch.where(state.valid, 0, -1))
-        out = adapter(
-            q, k, v, _varlen_from_state(packed), scale, state.semantics == "causal", backend, flash_lockfile
-        )
+        out = adapter(q, k, v, _varlen_from_state(packed), scale, state.semantics == "causal", backend, flash_lockfile)
     out = out.transpose(1, 2).masked_fill(~state.valid[:, :, None, None], 0.0)
     return (out, probs) if return_probs else out

@@ -67,6 +67,18 @@ def attend_spans(
     return torch.cat(outputs)
 
 
+def run_layers_packed(layers, valid: torch.Tensor, h, cos, sin, compile: Callable, scale: float = 1.0):
+    """Encoder layers on packed tokens `h` of the rows of `valid`, one sequence per row: each layer's
+    `attention_inputs` and `finish` compiled (once per layer class) around `attend_spans`."""
+    bounds = [0, *valid.sum(-1).cumsum(0).tolist()]
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    before, after = compile(type(layers[0]).attention_inputs), compile(type(layers[0]).finish)
+    for layer in layers:
+        q, k, v = before(layer, h, cos, sin)  # (tokens, heads, head_dim) each
+        h = after(layer, h, attend_spans(q, k, v, spans, compile, scale))
+    return h
+
+
 def weights_key(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter or buffer is replaced, moved or modified in place."""
     return tuple(

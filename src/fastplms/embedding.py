@@ -172,9 +172,7 @@ def _read_objects(inputs: object) -> Iterator[tuple[str, str, str]]:
     if isinstance(inputs, Mapping):
         for rid, sequence in inputs.items():
             if not isinstance(rid, str) or not isinstance(sequence, str):
-                raise TypeError(
-                    f"mapping input: ids and sequences must be str, got {rid!r}: {type(sequence).__name__}"
-                )
+                raise TypeError(f"mapping input: ids and sequences must be str, got {rid!r}: {type(sequence).__name__}")
             yield rid, rid, sequence
         return
     if not isinstance(inputs, Iterable):
@@ -185,9 +183,7 @@ def _read_objects(inputs: object) -> Iterator[tuple[str, str, str]]:
             continue
         pair = tuple(item) if isinstance(item, (tuple, list)) else ()
         if len(pair) != 2 or not all(isinstance(part, str) for part in pair):
-            raise TypeError(
-                f"input item {n}: expected a sequence string or an (id, sequence) pair, got {item!r:.60}"
-            )
+            raise TypeError(f"input item {n}: expected a sequence string or an (id, sequence) pair, got {item!r:.60}")
         yield pair[0], pair[0], pair[1]
 
 
@@ -248,16 +244,12 @@ def _prepare(stream: Iterable[tuple[str, str, str]], rules: _Rules, report: _Rep
 # ---------------------------------------------------------------- batching and pooling
 
 
-def _batches(
-    window: list[_Item], budget: int, n_special: int, batch_size: int | None
-) -> Iterator[list[_Item]]:
+def _batches(window: list[_Item], budget: int, n_special: int, batch_size: int | None) -> Iterator[list[_Item]]:
     """Longest first, so each batch's first record sets its padded width."""
     batch: list[_Item] = []
     width = 0
     for item in sorted(window, key=lambda item: -len(item.sequence)):
-        if batch and (
-            (len(batch) + 1) * width > budget or (batch_size is not None and len(batch) >= batch_size)
-        ):
+        if batch and ((len(batch) + 1) * width > budget or (batch_size is not None and len(batch) >= batch_size)):
             yield batch
             batch = []
         if not batch:
@@ -370,9 +362,7 @@ def embed_dataset(
     if resume and overwrite:
         raise ValueError("pass resume=True or overwrite=True, not both")
     limits = [
-        (n, name)
-        for n, name in ((max_length, "max_length"), (encoder.max_residues, "model maximum"))
-        if n is not None
+        (n, name) for n, name in ((max_length, "max_length"), (encoder.max_residues, "model maximum")) if n is not None
     ]
     limit, limit_name = min(limits) if limits else (None, "")
     rules = _Rules(frozenset(encoder.alphabet), limit, limit_name, invalid, too_long)
@@ -435,9 +425,7 @@ def embed_dataset(
                     header=item.header,
                     pooled=None if pooled is None else pooled[row],
                     # clone: a view would keep the whole padded batch alive
-                    residues=None
-                    if states is None
-                    else states[row, start : start + len(item.sequence)].clone(),
+                    residues=None if states is None else states[row, start : start + len(item.sequence)].clone(),
                     index=item.index,
                 )
                 for row, item in enumerate(batch)

@@ -125,9 +125,7 @@ def check_fingerprint(path: str, stored: object, current: Mapping[str, object]) 
     differing = sorted(key for key in stored.keys() | now.keys() if stored.get(key) != now.get(key))
     if differing:
         parts = [f"{key} (stored {_short(stored.get(key))}, now {_short(now.get(key))})" for key in differing]
-        raise ValueError(
-            f"cannot resume {path}: it was made from different inputs or settings: " + "; ".join(parts)
-        )
+        raise ValueError(f"cannot resume {path}: it was made from different inputs or settings: " + "; ".join(parts))
 
 
 def _short(value: object) -> str:
@@ -164,9 +162,7 @@ class SqliteWriter:
                     if os.path.exists(leftover):
                         os.remove(leftover)
             elif not resume:
-                raise FileExistsError(
-                    f"{path} exists; pass overwrite=True to replace it or resume=True to continue it"
-                )
+                raise FileExistsError(f"{path} exists; pass overwrite=True to replace it or resume=True to continue it")
         self.conn = sqlite3.connect(path)
         try:
             self._open(meta)
@@ -180,9 +176,7 @@ class SqliteWriter:
         # open rolls back, so exactly the committed batches survive. One fsync per batch is cheap
         # next to a forward pass.
         try:
-            tables = {
-                row[0] for row in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
-            }
+            tables = {row[0] for row in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         except sqlite3.DatabaseError as error:
             raise ValueError(f"{path} is not a fastplms embeddings database: {error}") from error
         if "meta" in tables:
@@ -271,9 +265,7 @@ class ShardWriter:
                     os.remove(os.path.join(path, name))
             ours = False
         elif ours and not resume:
-            raise FileExistsError(
-                f"{path} exists; pass overwrite=True to replace it or resume=True to continue it"
-            )
+            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it or resume=True to continue it")
         if ours:
             self.index = _read_index(path)
             check_fingerprint(path, self.index.get("fingerprint"), meta["fingerprint"])  # type: ignore[arg-type]
@@ -305,9 +297,7 @@ class ShardWriter:
             self.index["dim"] = dim
             self.index["pooling_slices"] = _slices_json(names, dim)
         elif dim != self.index["dim"]:
-            raise ValueError(
-                f"{self.path}: hidden size {dim} differs from the stored dim {self.index['dim']}"
-            )
+            raise ValueError(f"{self.path}: hidden size {dim} differs from the stored dim {self.index['dim']}")
         for record in records:
             self._buffer.append(record)
             self._buffer_bytes += sum(t.nbytes for t in (record.pooled, record.residues) if t is not None)
@@ -391,9 +381,7 @@ def _read_index(path: str) -> dict:
     return index
 
 
-def open_writer(
-    path: str, meta: Mapping[str, object], *, resume: bool, overwrite: bool
-) -> SqliteWriter | ShardWriter:
+def open_writer(path: str, meta: Mapping[str, object], *, resume: bool, overwrite: bool) -> SqliteWriter | ShardWriter:
     """``meta`` holds ``fingerprint``, ``pooling`` and ``per_residue``; resume compares fingerprints."""
     if sys.byteorder != "little":  # raw buffers are written as-is; both layouts define little-endian
         raise RuntimeError("writing embeddings needs a little-endian host")
@@ -440,9 +428,7 @@ def _require_complete(path: str, meta: Mapping[str, object], allow_incomplete: b
         )
 
 
-def open_sqlite_embeddings(
-    path: str | os.PathLike[str], *, allow_incomplete: bool = False
-) -> sqlite3.Connection:
+def open_sqlite_embeddings(path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> sqlite3.Connection:
     """A read-only connection to an SQLite output, for streaming queries (``ORDER BY idx``)."""
     path = os.fspath(path)
     _require_complete(path, read_embedding_meta(path), allow_incomplete)

@@ -51,9 +51,7 @@ def default_lockfile() -> pathlib.Path | None:
     return None
 
 
-def load_flash_kernel(
-    implementation: str, lockfile: str | os.PathLike[str] | None = None
-) -> types.ModuleType:
+def load_flash_kernel(implementation: str, lockfile: str | os.PathLike[str] | None = None) -> types.ModuleType:
     """Import the pinned kernel for ``implementation``, verified against the lock's variant hashes.
 
     Raises FlashKernelError for every failure; there is no fallback to another revision or package.
@@ -87,9 +85,7 @@ def _load_pinned(implementation: str, lock_path: pathlib.Path) -> types.ModuleTy
     locks = {variant: VariantLock(hash=digest, hash_type=_HASH_TYPE) for variant, digest in hashes.items()}
     try:
         variant_path = pathlib.Path(
-            kernels.install_kernel(
-                repo_id, revision=revision, local_files_only=_offline(), variant_locks=locks
-            )
+            kernels.install_kernel(repo_id, revision=revision, local_files_only=_offline(), variant_locks=locks)
         )
         _require_pinned_snapshot(variant_path, repo_id, revision)
         # Import the exact folder that was hash-checked rather than letting kernels pick a variant again.
@@ -182,9 +178,7 @@ def check_flash_inputs(
 
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) != 1:
-        raise ValueError(
-            f"FlashAttention needs one dtype for q, k, v; got q {q.dtype}, k {k.dtype}, v {v.dtype}"
-        )
+        raise ValueError(f"FlashAttention needs one dtype for q, k, v; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     if not (q.dtype == torch.bfloat16 or (q.dtype == torch.float32 and autocast == torch.bfloat16)):
         raise ValueError(
@@ -195,9 +189,7 @@ def check_flash_inputs(
 
     if attention_mask is not None:
         if q.dim() != 4:
-            raise ValueError(
-                f"FlashAttention expects q as (batch, heads, seq, head_dim); got {tuple(q.shape)}"
-            )
+            raise ValueError(f"FlashAttention expects q as (batch, heads, seq, head_dim); got {tuple(q.shape)}")
         expected = (q.shape[0], q.shape[2])
         if tuple(attention_mask.shape) != expected:
             raise ValueError(
@@ -229,9 +221,7 @@ def flash_varlen_forward(
         )
     # Checked without reading values so the hot path never forces a device sync.
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(
-            f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-        )
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     out = kernel.flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal
     )

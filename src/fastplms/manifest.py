@@ -134,9 +134,7 @@ class Family:
             if checkpoint.id == checkpoint_id:
                 return checkpoint
         known = ", ".join(c.id for c in self.checkpoints)
-        raise ManifestError(
-            _label(self.path), "checkpoints", f"no checkpoint {checkpoint_id!r}; known: {known}"
-        )
+        raise ManifestError(_label(self.path), "checkpoints", f"no checkpoint {checkpoint_id!r}; known: {known}")
 
     @property
     def representative_checkpoint(self) -> Checkpoint:
@@ -241,9 +239,7 @@ def _read_source(file: str, where: str, raw: object) -> Source:
     if kind is None:
         raise ManifestError(file, f"{where}.kind", "missing required key")
     if not isinstance(kind, str) or kind not in SOURCE_KINDS:
-        raise ManifestError(
-            file, f"{where}.kind", f"unknown source kind {kind!r}; valid: {', '.join(SOURCE_KINDS)}"
-        )
+        raise ManifestError(file, f"{where}.kind", f"unknown source kind {kind!r}; valid: {', '.join(SOURCE_KINDS)}")
     required, optional = SOURCE_KINDS[kind]
     table = _Table(file, where, raw, required | {"kind"}, optional)
     repo = table.opt_string("repo", _REPO, "a Hub repo id 'owner/name'")
@@ -342,9 +338,7 @@ def load_manifest(path: str | Path, *, resolve: bool = True) -> Family:
     except tomllib.TOMLDecodeError as error:
         raise ManifestError(file, "<toml>", f"invalid TOML: {error}") from error
 
-    root = _Table(
-        file, "", data, {"family", "upstream", "auto_classes", "attention", "dtypes", "checkpoints"}
-    )
+    root = _Table(file, "", data, {"family", "upstream", "auto_classes", "attention", "dtypes", "checkpoints"})
     fam = root.table(
         "family",
         {"id", "name", "description", "architecture", "tokenizer", "transform", "representative", "citation"},
@@ -382,8 +376,7 @@ def load_manifest(path: str | Path, *, resolve: bool = True) -> Family:
         dt.fail("bf16", "set, but 'bfloat16' is not in dtypes.allowed")
 
     checkpoints = tuple(
-        _read_checkpoint(file, f"checkpoints[{i}]", raw)
-        for i, raw in enumerate(root.array_of_tables("checkpoints"))
+        _read_checkpoint(file, f"checkpoints[{i}]", raw) for i, raw in enumerate(root.array_of_tables("checkpoints"))
     )
     owners: dict[str, str] = {}
     for i, checkpoint in enumerate(checkpoints):
@@ -463,6 +456,4 @@ def find_checkpoint(model_id: str, directory: str | Path = MANIFEST_DIR) -> tupl
             if model_id in (checkpoint.id, checkpoint.published):
                 return family, checkpoint
     known = ", ".join(f"{c.id} ({c.published})" for f in families.values() for c in f.checkpoints)
-    raise ManifestError(
-        _label(Path(directory)), "checkpoints", f"unknown model id {model_id!r}; known: {known}"
-    )
+    raise ManifestError(_label(Path(directory)), "checkpoints", f"unknown model id {model_id!r}; known: {known}")

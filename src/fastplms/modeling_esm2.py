@@ -23,7 +23,7 @@ from transformers.modeling_outputs import (
 )
 
 from .attention import MaskState, attention, mask_state, pad, unpad
-from .compiled import attend_spans
+from .compiled import run_layers_packed
 from .configuration_esm2 import ESM2Config
 from .embedding import ResidueEncoder
 from .plm_base import FastPLMPreTrainedModel, classification_loss
@@ -220,13 +220,7 @@ class ESM2Model(ESM2PreTrainedModel):
         self.check_dtypes(input_ids.device.type)
         batch, seq = input_ids.shape
         indices = valid.flatten().nonzero().flatten()
-        bounds = [0, *valid.sum(-1).cumsum(0).tolist()]
-        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        before, after = compile(ESM2Layer.attention_inputs), compile(ESM2Layer.finish)
-        h, cos, sin = self._packed_inputs(input_ids, valid, indices)
-        for layer in self.layers:
-            q, k, v = before(layer, h, cos, sin)  # (tokens, heads, head_dim) each
-            h = after(layer, h, attend_spans(q, k, v, spans, compile))
+        h = run_layers_packed(self.layers, valid, *self._packed_inputs(input_ids, valid, indices), compile)
         return pad(self.final_norm(h), indices, batch, seq)
 
     def predict_contacts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,7 +39,7 @@ from transformers.modeling_outputs import (
 )
 
 from .attention import FLASH_BACKENDS, MaskState, attention, mask_state, pad, unpad
-from .compiled import attend_spans
+from .compiled import run_layers_packed
 from .configuration_esmc import ESMCConfig
 from .embedding import ResidueEncoder
 from .plm_base import FastPLMPreTrainedModel, classification_loss
@@ -271,14 +271,8 @@ class ESMCModel(ESMCPreTrainedModel):
         self.check_dtypes(input_ids.device.type)
         batch, seq = input_ids.shape
         indices = valid.flatten().nonzero().flatten()
-        bounds = [0, *valid.sum(-1).cumsum(0).tolist()]
-        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        before, after = compile(ESMCLayer.attention_inputs), compile(ESMCLayer.finish)
-        h, cos, sin = self._packed_inputs(input_ids, indices)
         scale = (self.config.hidden_size // self.config.num_attention_heads) ** -0.5
-        for layer in self.layers:
-            q, k, v = before(layer, h, cos, sin)
-            h = after(layer, h, attend_spans(q, k, v, spans, compile, scale))
+        h = run_layers_packed(self.layers, valid, *self._packed_inputs(input_ids, indices), compile, scale)
         return pad(self.final_norm(h), indices, batch, seq)
 
     def forward(

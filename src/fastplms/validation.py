@@ -44,9 +44,7 @@ def _valid_mask(ours: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor | Non
     return valid
 
 
-def _select(
-    ours: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _select(ours: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the valid positions as ``(n_valid, ...)`` float64 tensors."""
     mask = _valid_mask(ours, ref, valid)
     ref = ref.to(ours.device)
@@ -161,9 +159,7 @@ def top1_agreement(
     return float(agree.to(torch.float64).mean())
 
 
-def jensen_shannon(
-    ours_logits: torch.Tensor, ref_logits: torch.Tensor, valid: torch.Tensor | None = None
-) -> float:
+def jensen_shannon(ours_logits: torch.Tensor, ref_logits: torch.Tensor, valid: torch.Tensor | None = None) -> float:
     """Mean Jensen-Shannon divergence (natural log, so at most ln 2) between the softmax distributions."""
     _require_vectors(ours_logits, "jensen_shannon")
     a, b = _select(ours_logits, ref_logits, valid)
