@@ -92,9 +92,7 @@ def random_sequences(n: int, seed: int = 1, lo: int = 1, hi: int = 60) -> list[s
 def assert_same_records(a, b, *, exact: bool = True) -> None:
     """Bit-equal for a stored copy of one run; within float noise across different batchings
     (CPU kernels may round a row differently in a differently shaped batch)."""
-    assert [(r.id, r.header, r.sequence, r.index) for r in a] == [
-        (r.id, r.header, r.sequence, r.index) for r in b
-    ]
+    assert [(r.id, r.header, r.sequence, r.index) for r in a] == [(r.id, r.header, r.sequence, r.index) for r in b]
     for x, y in zip(a, b, strict=True):
         for t, u in ((x.pooled, y.pooled), (x.residues, y.residues)):
             assert (t is None) == (u is None)
@@ -148,9 +146,7 @@ def test_txt_ids_count_non_empty_lines(tmp_path: Path) -> None:
 
 
 def test_fasta_multiline_headers_blank_lines_stop_codon_whitespace(tmp_path: Path) -> None:
-    text = (
-        "\n\n>sp|P1|A first protein\r\nMKV LL\r\n\nACD*\n>p2\n  GG\tH  \nKK*\n>p3 empty-looking but fine\nW\n"
-    )
+    text = "\n\n>sp|P1|A first protein\r\nMKV LL\r\n\nACD*\n>p2\n  GG\tH  \nKK*\n>p3 empty-looking but fine\nW\n"
     path = tmp_path / "a.fa"
     path.write_text(text)
     gz = tmp_path / "a.faa.gz"
@@ -194,9 +190,7 @@ def test_fasta_is_streamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_duplicate_ids_kept_and_reported() -> None:
-    result = embed_dataset(
-        ToyModel(), ENCODER, [("a", "MK"), ("b", "AC"), ("a", "W"), ("b", "K"), ("a", "G")]
-    )
+    result = embed_dataset(ToyModel(), ENCODER, [("a", "MK"), ("b", "AC"), ("a", "W"), ("b", "K"), ("a", "G")])
     assert result.ids == ["a", "b", "a", "b", "a"]
     assert result.duplicate_ids == ["a", "b"]
 
@@ -278,9 +272,7 @@ def test_pooling_math_excludes_specials_and_padding() -> None:
     seqs = random_sequences(12, seed=3)
     result = embed_dataset(model, ENCODER, seqs, pooling=POOLERS, per_residue=True, max_tokens_per_batch=200)
     assert list(result.pooling_slices) == list(POOLERS)
-    assert result.pooling_slices["mean"] == slice(0, DIM) and result.pooling_slices["last"] == slice(
-        6 * DIM, 7 * DIM
-    )
+    assert result.pooling_slices["mean"] == slice(0, DIM) and result.pooling_slices["last"] == slice(6 * DIM, 7 * DIM)
     assert result.stack().shape == (12, 7 * DIM)
     for record, seq in zip(result.records, seqs, strict=True):
         full = residue_states(model, seq)  # includes cls at 0 and eos at the end
@@ -298,9 +290,7 @@ def test_pooling_math_excludes_specials_and_padding() -> None:
         assert not record.pooled.is_inference() and not record.residues.is_inference()
         assert not torch.isnan(record.pooled).any()
         for name, value in expected.items():
-            torch.testing.assert_close(
-                record.pooled[result.pooling_slices[name]], value, atol=1e-5, rtol=1e-5
-            )
+            torch.testing.assert_close(record.pooled[result.pooling_slices[name]], value, atol=1e-5, rtol=1e-5)
         assert record.residues is not None and record.residues.shape == (len(seq), DIM)
         torch.testing.assert_close(record.residues, states, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(result.stack("std"), result.stack()[:, 3 * DIM : 4 * DIM])
@@ -324,9 +314,7 @@ def test_token_budget_and_input_order() -> None:
     random.Random(0).shuffle(seqs)
     seen: list[tuple[int, int]] = []
     budget = 512
-    result = embed_dataset(
-        model, ENCODER, seqs, max_tokens_per_batch=budget, progress=lambda *a: seen.append(a)
-    )
+    result = embed_dataset(model, ENCODER, seqs, max_tokens_per_batch=budget, progress=lambda *a: seen.append(a))
     batches = list(model.calls)
     assert all(b * s <= budget or b == 1 for b, s in batches)
     assert (1, 302) in model.calls
@@ -334,9 +322,7 @@ def test_token_budget_and_input_order() -> None:
     assert result.ids == [f"seq{i}" for i in range(len(seqs))]
     # batch composition does not change a record's vector
     for record, seq in zip(result.records, seqs, strict=True):
-        torch.testing.assert_close(
-            record.pooled, residue_states(model, seq)[1:-1].mean(0), atol=1e-5, rtol=1e-5
-        )
+        torch.testing.assert_close(record.pooled, residue_states(model, seq)[1:-1].mean(0), atol=1e-5, rtol=1e-5)
     # progress: after each batch, cumulative, with a known total
     assert len(seen) == len(batches)
     assert seen[-1] == (len(seqs), sum(map(len, seqs)), len(seqs))
@@ -362,9 +348,7 @@ def test_output_round_trip_equals_memory(tmp_path: Path, name: str, monkeypatch:
     monkeypatch.setattr(embedding_store, "SHARD_RECORDS", 5)
     model = ToyModel()
     inputs = {**make_inputs(), "bad": "MKB", "long": "A" * 45}
-    options = dict(
-        pooling=("mean", "max"), per_residue=True, invalid="skip", too_long="truncate", max_length=40
-    )
+    options = dict(pooling=("mean", "max"), per_residue=True, invalid="skip", too_long="truncate", max_length=40)
     memory = embed_dataset(model, ENCODER, inputs, max_tokens_per_batch=128, **options)
     out = tmp_path / name
     written = embed_dataset(model, ENCODER, inputs, max_tokens_per_batch=128, output=out, **options)
@@ -400,9 +384,7 @@ def test_sqlite_is_readable_with_plain_sqlite3_and_struct(tmp_path: Path) -> Non
         "mean": [0, DIM],
         "cls": [DIM, 2 * DIM],
     }
-    rows = conn.execute(
-        "SELECT idx, id, length, pooled, residues, dtype, dim FROM embeddings ORDER BY idx"
-    ).fetchall()
+    rows = conn.execute("SELECT idx, id, length, pooled, residues, dtype, dim FROM embeddings ORDER BY idx").fetchall()
     conn.close()
     assert [r[1] for r in rows] == list(inputs)
     for (idx, rid, length, pooled, residues, dtype, dim), record in zip(rows, memory.records, strict=True):
@@ -447,9 +429,7 @@ def test_resume_after_crash_matches_uninterrupted_run(
     monkeypatch.setattr(embedding_store, "SHARD_RECORDS", 4)
     monkeypatch.setattr("fastplms.embedding.WINDOW_RECORDS", 8)
     inputs = make_inputs(30)
-    options = dict(
-        pooling=("mean", "std"), per_residue=True, max_tokens_per_batch=96, fingerprint={"model": "toy"}
-    )
+    options = dict(pooling=("mean", "std"), per_residue=True, max_tokens_per_batch=96, fingerprint={"model": "toy"})
     clean = embed_dataset(ToyModel(), ENCODER, inputs, output=tmp_path / ("clean-" + name), **options)
     uninterrupted = read_embeddings(clean.output)
 
@@ -543,6 +523,4 @@ def test_resume_after_sigkill(tmp_path: Path, name: str, monkeypatch: pytest.Mon
     embed_dataset(model, ENCODER, make_inputs(30), output=out, resume=True, max_tokens_per_batch=96)
     final = read_embeddings(out)
     assert [r.index for r in final.records] == list(range(30))
-    assert_same_records(
-        final.records, embed_dataset(ToyModel(), ENCODER, make_inputs(30)).records, exact=False
-    )
+    assert_same_records(final.records, embed_dataset(ToyModel(), ENCODER, make_inputs(30)).records, exact=False)

@@ -51,9 +51,7 @@ def test_hand_computed_elementwise():
 
 def test_relative_q999_matches_numpy():
     ours, ref = _pair(1, shape=(4, 50, 16))
-    expected = np.quantile((ours - ref).abs().double().numpy(), 0.999) / np.quantile(
-        ref.abs().double().numpy(), 0.999
-    )
+    expected = np.quantile((ours - ref).abs().double().numpy(), 0.999) / np.quantile(ref.abs().double().numpy(), 0.999)
     assert relative_q999(ours, ref) == pytest.approx(expected, rel=1e-12)
 
 
