@@ -60,14 +60,19 @@ SHORT_PROFILE_CASES = (
     "fair-esm ESM2 toks_per_batch=4096",
     "esm-cpp",
 )
-# Checkpoint id -> (layers, hidden, heads); the manifest ids our builder accepts. esmc_* runs benchmarks/esmc.py.
-MODELS = {
-    "esm2_8m": (6, 320, 20),
-    "esm2_35m": (12, 480, 20),
-    "esm2_650m": (33, 1280, 20),
-    "esmc_300m": (30, 960, 15),
-    "esmc_600m": (36, 1152, 18),
-}
+# Manifest ids our builder accepts that the harness runs; esmc_* runs benchmarks/esmc.py.
+MODEL_IDS = ("esm2_8m", "esm2_35m", "esm2_650m", "esmc_300m", "esmc_600m")
+
+
+def model_dims(model: str) -> tuple[int, int, int]:
+    """(layers, hidden, heads) from the reference modules (imported here, not at import time: they load torch)."""
+    if model.startswith("esmc"):
+        from fastplms.esmc_reference import ESMC_DIMS
+
+        return ESMC_DIMS[model]
+    from fastplms.esm2_reference import ESM2_DIMS
+
+    return ESM2_DIMS[model]
 
 
 # ---------------------------------------------------------------------------------------------- dataset
@@ -110,6 +115,11 @@ def read_fasta(path: str | Path) -> list[tuple[str, str]]:
     return records
 
 
+def esm2_matmul_params(layers: int, hidden: int) -> int:
+    """Weights and biases of ESM2's Q, K, V, output, fc1 and fc2 (intermediate = 4 * hidden), all layers."""
+    return layers * (12 * hidden * hidden + 9 * hidden)
+
+
 def useful_flops(lengths: list[int], layers: int, hidden: int) -> float:
     """Matmul FLOPs of an unpadded ESM2 encoder forward (no LM head) over sequences of these lengths.
 
@@ -118,7 +128,7 @@ def useful_flops(lengths: list[int], layers: int, hidden: int) -> float:
     where P = layers * (12 * hidden^2 + 9 * hidden) are the encoder's matmul weights and biases (Q, K, V,
     output, fc1 and fc2 with intermediate = 4 * hidden), and the second term is Q K^T plus P V.
     """
-    params = layers * (12 * hidden * hidden + 9 * hidden)
+    params = esm2_matmul_params(layers, hidden)
     return float(sum((n + 2) * 2 * params + layers * 4 * hidden * (n + 2) ** 2 for n in lengths))
 
 
@@ -137,7 +147,7 @@ def prepare_assets(model: str, seed: int) -> dict[str, str]:
     from fastplms.build import build
     from fastplms.esm2_reference import write_fair_esm_pt, write_hf_snapshot
 
-    layers, hidden, heads = MODELS[model]
+    layers, hidden, heads = model_dims(model)
     root = CACHE / f"{model}-seed{seed}"
     if model.startswith("esmc"):
         return prepare_esmc_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
@@ -600,7 +610,6 @@ def mark_slow_bf16(cases: list[dict], args, peaks: dict | None) -> list[dict]:
         and not args.force_bf16
     )
     for case in cases:
-        case["device"] = args.device
         if slow_bf16 and case["dtype"] == "bfloat16" and "skip" not in case:
             case["skip"] = {
                 "status": "skipped",
@@ -699,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         help="length profile(s) (default: both; quick: lognormal)",
     )
     parser.add_argument(
-        "--model", default=None, choices=sorted(MODELS), help="dims (default esm2_35m on CPU, esm2_650m on CUDA)"
+        "--model", default=None, choices=MODEL_IDS, help="dims (default esm2_35m on CPU, esm2_650m on CUDA)"
     )
     parser.add_argument("--repeats", type=int, default=None, help="alternating repeats (default 3; quick 1)")
     parser.add_argument(
@@ -744,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         oracle = oracle_status()
     else:
         esmcpp = esm_cpp_status() if not gpu else {"available": False, "error": "esm-cpp is a CPU engine"}
-    layers, hidden, _heads = MODELS[args.model]
+    layers, hidden, _heads = model_dims(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     timeout = args.max_seconds + 900
 
@@ -769,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             cases = [c for c in cases if c["dtype"] == args.dtype]
         if not args.no_profile_ops and not args.quick and profile == "lognormal" and not esmc:
             # One profiled run each of ours and the best-known baseline: where each spends its time.
-            profiled = {"dtype": "float32", "profile_ops": True, "device": args.device, "repeats": 1}
+            profiled = {"dtype": "float32", "profile_ops": True, "repeats": 1}
             cases.append({"engine": "ours", "label": "fastplms default (profiled)", "backend": "default", **profiled})
             cases.append(
                 {
@@ -781,7 +790,9 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         for case in cases:
-            case.update(dataset=str(dataset), assets=assets, max_seconds=args.max_seconds, model=args.model)
+            case.update(
+                dataset=str(dataset), assets=assets, max_seconds=args.max_seconds, model=args.model, device=args.device
+            )
         runs: dict[int, list[dict]] = {i: [] for i in range(len(cases))}
         for repeat in range(args.repeats):
             for i, case in enumerate(cases):

@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.embed import esm2_matmul_params
+
 REPO = Path(__file__).resolve().parent.parent
 REPORTS = REPO / "reports" / "benchmarks"
 OUT = REPO / "docs" / "benchmarks.md"
@@ -207,10 +209,6 @@ def targets(data: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _share(ops: list[dict], *needles: str) -> float:
-    return sum(op["share"] for op in ops if any(n in op["op"] for n in needles))
-
-
 GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "mkldnn", "mkl_linear")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "flex_attention")
 
@@ -237,7 +235,7 @@ def analysis(data: dict) -> list[str]:
         a, b = _costs(prof_ours[0]), _costs(prof_hf[0])
         model = data["model"]
         ds = data["dataset"]
-        params = model["layers"] * (12 * model["hidden"] ** 2 + 9 * model["hidden"])
+        params = esm2_matmul_params(model["layers"], model["hidden"])
         gemm_flops = 2 * params * (ds["residues"] + 2 * ds["records"]) / ds["residues"]  # per residue
         gemm_rate = gemm_flops * 1000 / a["gemm"] / 1e9 if prof_ours[0]["summary"]["complete"] else None
         frac = ours[0]["summary"]["fraction_of_fp32_peak"]

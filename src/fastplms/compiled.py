@@ -48,16 +48,16 @@ def attend_spans(
     SDPA: their scores no longer fit the cache and the kernel wins at head_dim 24. The scores are rounded
     to BF16 before the softmax, as under fair-esm's BF16 autocast.
     """
-    chunked = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    chunk_fn = compile(_attention_chunk) if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None
     heads, outputs = q.shape[1], []
     for a, b in spans:
-        if chunked and (b - a) ** 2 <= SCORE_CHUNK_ELEMENTS:
+        if chunk_fn is not None and (b - a) ** 2 <= SCORE_CHUNK_ELEMENTS:
             qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
             # Contiguous chunks of at least two heads: strides, storage offsets and sizes of 0 or 1 are
             # specialized by the compiler, so anything else would recompile the function mid-job.
             chunks = heads // max(2, min(heads, SCORE_CHUNK_ELEMENTS // (b - a) ** 2)) or 1
             parts = [
-                compile(_attention_chunk)(*(t.contiguous() for t in chunk), scale)
+                chunk_fn(*(t.contiguous() for t in chunk), scale)
                 for chunk in zip(*(t.tensor_split(chunks) for t in (qs, ks, vs)), strict=True)
             ]
             outputs.append(torch.cat(parts).transpose(0, 1))
