@@ -310,8 +310,9 @@ def analysis(data: dict) -> list[str]:
     if bf16 and bf16_eager and any(bf16[0]["summary"].get("compiled") or []):
         out.append(
             f"- **BF16 attention.** The compiled path runs CPU BF16 attention as compiled matmuls with a float32 "
-            "softmax over a few heads at a time (`compiled.attend_spans`), because ATen's BF16 CPU flash kernel "
-            f"is slow at head_dim 24; the eager path keeps SDPA: {_num(_steady(bf16[0]))} vs "
+            "softmax over a few heads at a time (`compiled.attend_spans`; per-length kernel rates: "
+            "`python -m benchmarks.attention_cpu`); the eager path keeps SDPA and uncompiled layers: "
+            f"{_num(_steady(bf16[0]))} vs "
             f"{_num(_steady(bf16_eager[0]))} res/s. Scores are rounded to BF16 before the softmax, as in "
             "fair-esm under BF16 autocast; see the error column."
         )

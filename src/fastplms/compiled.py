@@ -42,11 +42,11 @@ def attend_spans(
     comes pre-scaled, as in ESM2). This is what the padded, masked SDPA computes, without padding or mask.
     FP32 (and GPU) runs SDPA per sequence: on CPU nothing measured faster. CPU BF16 runs the scores, a
     float32 softmax and the weighted sum as compiled matmuls over a few heads at a time, because ATen's
-    BF16 CPU flash kernel is slow at small head dims (measured on an AVX512-BF16 CPU: ESM2's 20 heads of 24
-    at 300-600 tokens 83-94 GFLOP/s against 110-137, ESMC's 15 heads of 64 126-165 against 238-309; end to
-    end, the BF16 rows of docs/benchmarks.md). Sequences longer than sqrt(SCORE_CHUNK_ELEMENTS) tokens keep
-    SDPA: their scores no longer fit the cache and the kernel wins at head_dim 24. The scores are rounded
-    to BF16 before the softmax, as under fair-esm's BF16 autocast.
+    BF16 CPU flash kernel is slow at small head dims around 600 tokens (`python -m benchmarks.attention_cpu`
+    on an AVX512-BF16 CPU: about 1.2x SDPA for ESM2's 20 heads of 24, 1.7x for ESMC's 15 heads of 64; but
+    about half of SDPA at 100 tokens, so a lower length bound is still to be measured end to end).
+    Sequences longer than sqrt(SCORE_CHUNK_ELEMENTS) tokens keep SDPA: their scores no longer fit the cache.
+    The scores are rounded to BF16 before the softmax, as under fair-esm's BF16 autocast.
     """
     chunk_fn = compile(_attention_chunk) if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None
     heads, outputs = q.shape[1], []
