@@ -16,4 +16,4 @@ gpu-test: setup
 	.venv/bin/python -m pytest -q tests/gpu
 
 demo: setup
-	.venv/bin/python -m fastplms.demo
+	.venv/bin/python -m fastplms.cli.demo

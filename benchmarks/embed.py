@@ -65,14 +65,10 @@ MODEL_IDS = ("esm2_8m", "esm2_35m", "esm2_650m", "esmc_300m", "esmc_600m")
 
 
 def model_dims(model: str) -> tuple[int, int, int]:
-    """(layers, hidden, heads) from the reference modules (imported here, not at import time: they load torch)."""
-    if model.startswith("esmc"):
-        from fastplms.esmc_reference import ESMC_DIMS
+    """(layers, hidden, heads) of a manifest checkpoint."""
+    from fastplms.manifest import find_checkpoint
 
-        return ESMC_DIMS[model]
-    from fastplms.esm2_reference import ESM2_DIMS
-
-    return ESM2_DIMS[model]
+    return find_checkpoint(model)[1].dims
 
 
 # ---------------------------------------------------------------------------------------------- dataset
@@ -144,8 +140,8 @@ def runtime_digest() -> str:
 
 def prepare_assets(model: str, seed: int) -> dict[str, str]:
     """Write the seeded snapshot, fair-esm file and our artifact once per (model, seed, runtime code)."""
-    from fastplms.build import build
-    from fastplms.esm2_reference import write_fair_esm_pt, write_hf_snapshot
+    from fastplms.artifact.build import build
+    from fastplms.oracles.esm2 import write_fair_esm_pt, write_hf_snapshot
 
     layers, hidden, heads = model_dims(model)
     root = CACHE / f"{model}-seed{seed}"
@@ -338,7 +334,7 @@ def child_fair_esm(case: dict) -> dict:
     import torch
     from esm.data import FastaBatchedDataset
 
-    from fastplms.esm2_reference import load_fair_esm_local
+    from fastplms.oracles.esm2 import load_fair_esm_local
 
     device = case["device"]
     t_load = time.perf_counter()

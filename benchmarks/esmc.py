@@ -30,7 +30,7 @@ def esmc_flops(lengths: list[int], layers: int, hidden: int) -> float:
     P = layers * (4 * hidden^2 + 3 * hidden * F) are the bias-free fused QKV, output projection and SwiGLU
     weights (F = 8/3 * hidden rounded up to a multiple of 256) and the second term is Q K^T plus P V.
     """
-    from fastplms.esmc_reference import esmc_ffn_hidden
+    from fastplms.oracles.esmc import esmc_ffn_hidden
 
     params = layers * (4 * hidden * hidden + 3 * hidden * esmc_ffn_hidden(hidden))
     return float(sum((n + 2) * 2 * params + layers * 4 * hidden * (n + 2) ** 2 for n in lengths))
@@ -46,9 +46,9 @@ def prepare_esmc_assets(model: str, seed: int, root: Path, artifact: Path) -> di
     """The seeded official state dict as an esm-layout snapshot, and our artifact built from it."""
     import torch
 
-    from fastplms.build import build
-    from fastplms.esmc_reference import ESMC_DIMS, esmc_official_state_dict
+    from fastplms.artifact.build import build
     from fastplms.manifest import find_checkpoint
+    from fastplms.oracles.esmc import esmc_official_state_dict
 
     _family, checkpoint = find_checkpoint(model)
     source = next(s for s in checkpoint.sources if s.kind == "esm")
@@ -57,7 +57,7 @@ def prepare_esmc_assets(model: str, seed: int, root: Path, artifact: Path) -> di
     if not weights.exists():
         weights.parent.mkdir(parents=True, exist_ok=True)
         tmp = weights.with_suffix(".tmp")
-        torch.save(esmc_official_state_dict(*ESMC_DIMS[model], seed=seed), tmp)
+        torch.save(esmc_official_state_dict(*checkpoint.dims, seed=seed), tmp)
         tmp.replace(weights)
     if not (artifact / "provenance.json").exists():
         build(model, snapshot, artifact, allow_unpinned=True, force=True)
@@ -116,10 +116,10 @@ def child_esmc_official(case: dict) -> dict:
         read_fasta,
         timed_batches,
     )
-    from fastplms.esmc_reference import ESMC_DIMS
+    from fastplms.manifest import find_checkpoint
 
     device = case["device"]
-    layers, hidden, heads = ESMC_DIMS[case["model"]]
+    layers, hidden, heads = find_checkpoint(case["model"])[1].dims
     t_load = time.perf_counter()
     model = ESMC(d_model=hidden, n_heads=heads, n_layers=layers, tokenizer=EsmSequenceTokenizer(), use_flash_attn=False)
     model.load_state_dict(torch.load(case["assets"]["official"], map_location="cpu"), strict=True)

@@ -309,12 +309,9 @@ def analysis(data: dict) -> list[str]:
     bf16_eager = _find(results, engine="ours", label="fastplms default, compile=False", dtype="bfloat16")
     if bf16 and bf16_eager and any(bf16[0]["summary"].get("compiled") or []):
         out.append(
-            f"- **BF16 attention.** The compiled path runs CPU BF16 attention as compiled matmuls with a float32 "
-            "softmax over a few heads at a time (`compiled.attend_spans`; per-length kernel rates: "
-            "`python -m benchmarks.attention_cpu`); the eager path keeps SDPA and uncompiled layers: "
-            f"{_num(_steady(bf16[0]))} vs "
-            f"{_num(_steady(bf16_eager[0]))} res/s. Scores are rounded to BF16 before the softmax, as in "
-            "fair-esm under BF16 autocast; see the error column."
+            f"- **BF16 attention.** Both paths run attention through the facade (`attention.attend`: SDPA per "
+            "sequence span on the packed tokens); the compiled path compiles the layer halves around it: "
+            f"{_num(_steady(bf16[0]))} vs {_num(_steady(bf16_eager[0]))} res/s (compiled vs eager)."
         )
     cpp = _find(results, engine="esm-cpp")
     isa = (data.get("esm_cpp") or {}).get("isa")

@@ -8,6 +8,7 @@ it. Compiled Flex cases are few and share cache keys (each new key compiles for 
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import types
 import warnings
@@ -19,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import fastplms.flash
 from fastplms import attention as A
-from fastplms.validation import relative_l2
+from fastplms.parity.metrics import relative_l2
 
 SEMANTICS = ("padding", "sequence", "block_causal", "causal")
 ODD_LENGTHS = (1, 7, 129, 200)
@@ -30,26 +31,35 @@ UNCOMPILED_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called witho
 # --------------------------------------------------------------------------- helpers
 
 
-def _brute_dense(attention_mask, sequence_ids, semantics):
-    """The module docstring's rules, one (batch, query, key) triple at a time."""
+def _side(attention_mask, sequence_ids):
     if sequence_ids is not None:
         ids = sequence_ids.tolist()
-        valid = [[t >= 0 for t in row] for row in ids]
-    else:
-        valid = [[bool(t) for t in row] for row in attention_mask.tolist()]
-        ids = [[0 if t else -1 for t in row] for row in valid]
+        return [[t >= 0 for t in row] for row in ids], ids
+    valid = [[bool(t) for t in row] for row in attention_mask.tolist()]
+    return valid, [[0 if t else -1 for t in row] for row in valid]
+
+
+def _brute_dense(attention_mask, sequence_ids, semantics, kv_mask=None, kv_ids=None):
+    """The module docstring's rules, one (batch, query, key) triple at a time."""
+    valid, ids = _side(attention_mask, sequence_ids)
+    k_valid, k_ids = (valid, ids) if kv_mask is None and kv_ids is None else _side(kv_mask, kv_ids)
+    sq, sk = len(valid[0]), len(k_valid[0])
     out = []
-    for vrow, irow in zip(valid, ids, strict=True):
+    for vrow, irow, kvrow, kirow in zip(valid, ids, k_valid, k_ids, strict=True):
         rows = []
         for i, vi in enumerate(vrow):
-            if semantics == "padding":
-                rows.append(list(vrow))
-            elif semantics == "sequence":
-                rows.append([vi and vj and irow[j] == irow[i] for j, vj in enumerate(vrow)])
-            elif semantics == "block_causal":
-                rows.append([vi and vj and irow[j] <= irow[i] for j, vj in enumerate(vrow)])
-            else:
-                rows.append([vj and j <= i for j, vj in enumerate(vrow)])
+            row = []
+            for j, vj in enumerate(kvrow):
+                if semantics == "padding":
+                    rule = True
+                elif semantics == "sequence":
+                    rule = kirow[j] == irow[i]
+                elif semantics == "block_causal":
+                    rule = kirow[j] <= irow[i]
+                else:
+                    rule = j <= i + sk - sq
+                row.append(vi and vj and rule)
+            rows.append(row)
         out.append([rows])
     return torch.tensor(out, dtype=torch.bool)
 
@@ -147,6 +157,29 @@ def _check_block_mask(block, dense):
     assert torch.equal(block.to_dense().bool(), _tiles(dense, block.BLOCK_SIZE[0]))
 
 
+def _packed_truth(state, dense):
+    """The dense oracle over packed tokens (row-major valid tokens): same row and allowed there."""
+    k_valid = state.keys[0]
+    q_index, k_index = state.valid.flatten().nonzero().flatten(), k_valid.flatten().nonzero().flatten()
+    sq, sk = state.valid.shape[1], k_valid.shape[1]
+    q_row, q_pos, k_row, k_pos = q_index // sq, q_index % sq, k_index // sk, k_index % sk
+    same_row = q_row[:, None] == k_row[None, :]
+    return same_row & dense[q_row[:, None], 0, q_pos[:, None], k_pos[None, :]]
+
+
+def _check_packed_block_mask(state, dense):
+    """The facade's packed BlockMask: the oracle on the packed tokens, nothing on the padded-up positions."""
+    q_index, k_index = (v.flatten().nonzero().flatten() for v in (state.valid, state.keys[0]))
+    packed = A._packed_block_mask(state, q_index, k_index)
+    assert packed.q_length == A.flex_length(q_index.numel()) and packed.q_length % A.FLEX_BLOCK == 0
+    qi = torch.arange(packed.q_length)[None, None, :, None]
+    ki = torch.arange(packed.kv_length)[None, None, None, :]
+    grid = packed.block.mask_mod(torch.zeros(1, 1, 1, 1, dtype=torch.long), 0, qi, ki)[0, 0]
+    tq, tk = q_index.numel(), k_index.numel()
+    assert torch.equal(grid[:tq, :tk], _packed_truth(state, dense))
+    assert not grid[tq:].any() and not grid[:, tk:].any()
+
+
 def _assert_matches(out, ref, valid, label=""):
     assert out.shape == ref.shape and out.dtype == ref.dtype, label
     assert torch.isfinite(out).all(), label
@@ -241,7 +274,9 @@ def test_dense_mask_matches_brute_force_at_odd_lengths():
 def test_dense_mask_defaults_to_padding():
     mask = torch.tensor([[1, 1, 0, 1]])
     assert torch.equal(A.dense_mask(mask), A.dense_mask(mask, semantics="padding"))
-    assert torch.equal(A.dense_mask(mask)[0, 0], torch.tensor([[1, 1, 0, 1]] * 4, dtype=torch.bool))
+    row = [1, 1, 0, 1]
+    expected = torch.tensor([row, row, [0, 0, 0, 0], row], dtype=torch.bool)  # a padded query sees nothing
+    assert torch.equal(A.dense_mask(mask)[0, 0], expected)
 
 
 # Seed 001 §1, verbatim: seq 8, canvas 4.
@@ -332,18 +367,13 @@ def test_block_causal_seed_outputs_agree_across_backends():
 
 def test_block_mask_matches_dense_oracle():
     kinds = ("right", "left", "holes", "single", "runs", "scattered")
-    for s, b, kind, mask, ids in _cases(11, 8, ODD_LENGTHS, (1, 4, 4, 1, 2), kinds):
+    for s, b, _kind, mask, ids in _cases(11, 8, ODD_LENGTHS, (1, 4, 4, 1, 2), kinds):
         for semantics in SEMANTICS:
             dense = A.dense_mask(mask, sequence_ids=ids, semantics=semantics)
             block = A.block_mask(mask, sequence_ids=ids, semantics=semantics)
             assert tuple(block.shape) == (b, 1, s, s)
             _check_block_mask(block, dense)
-            # The facade's padded-up BlockMask: same truth on the real tokens, extra tokens are padding keys.
-            state = A.mask_state(mask, sequence_ids=ids, semantics=semantics)
-            padded = -(-s // A.FLEX_BLOCK) * A.FLEX_BLOCK
-            grid = _grid_mask(A._block_mask_from_state(state, padded), b, padded)
-            assert torch.equal(grid[:, :, :s, :s], dense), (kind, semantics, s)
-            assert not grid[:, :, :, s:].any()
+            _check_packed_block_mask(A.mask_state(mask, sequence_ids=ids, semantics=semantics), dense)
 
 
 def test_block_mask_does_not_go_stale_when_inputs_change_in_place():
@@ -396,7 +426,8 @@ def test_eager_return_probs():
     assert probs.shape == (2, 4, 5, 5)
     keys = mask.bool()[:, None, None, :].expand_as(probs)
     assert bool((probs[~keys] == 0).all())
-    assert torch.allclose(probs.sum(-1), torch.ones(2, 4, 5))
+    # Valid queries' rows sum to one; a padded query sees no key, so its row is zero.
+    assert torch.allclose(probs.sum(-1), mask[:, None, :].float().expand(2, 4, 5))
     assert torch.equal(out, A.attention(q, k, v, backend="eager", attention_mask=mask))
 
 
@@ -441,7 +472,7 @@ def test_compiled_flex_does_not_recompile_for_new_lengths():
     masks = [
         torch.arange(s)[None, :] < torch.tensor([[200], [150], [7]]),
         torch.arange(s)[None, :] < torch.tensor([[5], [199], [130]]),
-        torch.arange(s)[None, :] < torch.tensor([[1], [1], [64]]),
+        torch.arange(s)[None, :] < torch.tensor([[130], [1], [64]]),
     ]
     masks[2][2, 100:] = True  # a hole
     for i, mask in enumerate(masks):
@@ -450,7 +481,8 @@ def test_compiled_flex_does_not_recompile_for_new_lengths():
             keys, graphs = set(A._flex_compiled), counters["stats"]["unique_graphs"]
     assert set(A._flex_compiled) == keys
     assert counters["stats"]["unique_graphs"] == graphs
-    # A different sequence length inside the same 128-block bucket also reuses the compiled function.
+    # Packed lengths are bucketed to powers of two (here 512 tokens), so another sequence length with a
+    # total in the same bucket reuses the compiled function too.
     q2, k2, v2 = (t[:, :, :129] for t in (q, k, v))
     A.attention(q2, k2, v2, backend="flex_attention", attention_mask=torch.ones(b, 129, dtype=torch.bool))
     assert set(A._flex_compiled) == keys and counters["stats"]["unique_graphs"] == graphs
@@ -503,22 +535,26 @@ def test_clear_flex_attention_caches_real_entries(monkeypatch):
 
 
 def _fake_flash_kernel(calls):
-    """flash_attn_varlen_func in plain FP32: attention within each cu_seqlens segment."""
+    """flash_attn_varlen_func in plain FP32: attention within each pair of cu_seqlens segments, causal
+    bottom-right aligned as FlashAttention defines it."""
 
     def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
-        assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k
-        bounds = cu_q.tolist()
-        lengths = [e - a for a, e in zip(bounds[:-1], bounds[1:], strict=True)]
-        assert bounds[0] == 0 and bounds[-1] == q.shape[0] and max(lengths) == max_q
-        calls.append((lengths, causal))
+        assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
+        q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
+        q_lengths = [e - a for a, e in itertools.pairwise(q_bounds)]
+        k_lengths = [e - a for a, e in itertools.pairwise(k_bounds)]
+        assert q_bounds[0] == 0 and q_bounds[-1] == q.shape[0] and max(q_lengths) == max_q
+        assert k_bounds[0] == 0 and k_bounds[-1] == k.shape[0] and max(k_lengths) == max_k
+        calls.append((q_lengths, causal))
         groups = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32)
-        for a, e in zip(bounds[:-1], bounds[1:], strict=True):
+        for (a, e), (c, f) in zip(itertools.pairwise(q_bounds), itertools.pairwise(k_bounds), strict=True):
             qs = q[a:e].float().transpose(0, 1)
-            ks, vs = (t[a:e].float().transpose(0, 1).repeat_interleave(groups, dim=0) for t in (k, v))
+            ks, vs = (t[c:f].float().transpose(0, 1).repeat_interleave(groups, dim=0) for t in (k, v))
             scores = qs @ ks.transpose(-1, -2) * softmax_scale
             if causal:
-                scores = scores.masked_fill(torch.ones(e - a, e - a, dtype=torch.bool).triu(1), float("-inf"))
+                hidden = torch.ones(e - a, f - c, dtype=torch.bool).triu((f - c) - (e - a) + 1)
+                scores = scores.masked_fill(hidden, float("-inf"))
             out[a:e] = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1)
         return out
 
@@ -725,3 +761,197 @@ def test_other_bad_arguments():
     for backend in ("flex", "auto", None):
         with pytest.raises(ValueError):
             A.attention(q, k, v, backend=backend, attention_mask=mask)
+
+
+# --------------------------------------------------------------------------- separate keys, bias, plans
+
+
+def _kv_cases(seed: int, count: int, kinds=("right", "left", "holes", "runs", "scattered")):
+    """(sq, sk, b, q mask, q ids, kv mask, kv ids): queries and keys of different lengths and masks."""
+    rng = random.Random(seed)
+    shapes = [(1, 9), (7, 7), (5, 130), (130, 3), (12, 40)]
+    for i in range(count):
+        sq, sk = shapes[i % len(shapes)]
+        b, kind = rng.choice((1, 2, 3)), rng.choice(kinds)
+        yield (sq, sk, b, *_random_case(rng, b, sq, kind), *_random_case(rng, b, sk, kind))
+
+
+def _grid(block, b, sq, sk):
+    bi = torch.arange(b)[:, None, None, None]
+    qi, ki = torch.arange(sq)[None, None, :, None], torch.arange(sk)[None, None, None, :]
+    return block.mask_mod(bi, torch.zeros(1, 1, 1, 1, dtype=torch.long), qi, ki).expand(b, 1, sq, sk).bool()
+
+
+def _qkv_lengths(b, hq, hkv, sq, sk, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, hq, sq, d, generator=gen), *(torch.randn(b, hkv, sk, d, generator=gen) for _ in range(2))
+
+
+def _sees_something(dense):
+    return dense.any(-1)[:, 0]
+
+
+def test_separate_keys_dense_and_block_mask_match_brute_force():
+    for sq, sk, b, mask, ids, kv_mask, kv_ids in _kv_cases(31, 25):
+        for semantics in SEMANTICS:
+            kwargs = dict(sequence_ids=ids, kv_attention_mask=kv_mask, kv_sequence_ids=kv_ids, semantics=semantics)
+            dense = A.dense_mask(mask, **kwargs)
+            assert dense.shape == (b, 1, sq, sk)
+            assert torch.equal(dense, _brute_dense(mask, ids, semantics, kv_mask, kv_ids)), (semantics, sq, sk)
+            assert torch.equal(_grid(A.block_mask(mask, **kwargs), b, sq, sk), dense)
+            _check_packed_block_mask(A.mask_state(mask, **kwargs), dense)
+
+
+def test_causal_with_separate_keys_is_bottom_right():
+    """Queries are the last sq positions: the rows of a full causal attention over the keys."""
+    q, k, v = _qkv(2, 4, 2, 11, seed=4)
+    full = A.attention(q, k, v, backend="eager", semantics="causal")
+    ones_q, ones_k = torch.ones(2, 4, dtype=torch.bool), torch.ones(2, 11, dtype=torch.bool)
+    for backend in ("eager", "sdpa"):
+        last = A.attention(
+            q[:, :, -4:], k, v, backend=backend, attention_mask=ones_q, kv_attention_mask=ones_k, semantics="causal"
+        )
+        assert torch.allclose(last, full[:, -4:], atol=1e-6), backend
+    # More queries than keys: the first sq - sk queries see no key and come out exactly zero.
+    q, k, v = _qkv_lengths(1, 2, 2, 6, 4, seed=5)
+    out = A.attention(q, k, v, backend="sdpa", kv_attention_mask=torch.ones(1, 4, dtype=torch.bool), semantics="causal")
+    assert bool((out[:, :2] == 0).all()) and bool((out[:, 2:] != 0).any())
+
+
+def test_block_causal_query_against_cached_context_equals_the_full_row():
+    """E1's cache contract: a query sequence against context + own keys is the full forward's query rows."""
+    ids = torch.tensor([[0] * 5 + [1] * 3 + [2] * 4 + [-1] * 2, [0] * 2 + [1] * 10 + [2] * 2])
+    q, k, v = _qkv(2, 4, 2, 14, seed=6)
+    full = A.attention(q, k, v, backend="eager", sequence_ids=ids, semantics="block_causal")
+    query_ids = ids[:, -6:]
+    for backend in ("eager", "sdpa"):
+        out = A.attention(
+            q[:, :, -6:], k, v, backend=backend, sequence_ids=query_ids, kv_sequence_ids=ids, semantics="block_causal"
+        )
+        valid = query_ids >= 0
+        assert torch.allclose(out[valid], full[:, -6:][valid], atol=1e-6), backend
+
+
+@UNCOMPILED_FLEX
+@pytest.mark.usefixtures("uncompiled_flex")
+def test_separate_keys_backends_agree_with_eager():
+    for sq, sk, b, mask, ids, kv_mask, kv_ids in _kv_cases(41, 15):
+        q, k, v = _qkv_lengths(b, 4, 2, sq, sk, seed=sq + sk)
+        for semantics in SEMANTICS:
+            kwargs = dict(
+                attention_mask=mask, sequence_ids=ids, kv_attention_mask=kv_mask, kv_sequence_ids=kv_ids,
+                semantics=semantics,
+            )  # fmt: skip
+            dense = A.dense_mask(**kwargs)
+            ref = A.attention(q, k, v, backend="eager", **kwargs)
+            assert ref.shape == (b, sq, 4, 16)
+            seen = _sees_something(dense)
+            assert bool((ref[~seen] == 0).all()), "a query that sees no key must be exactly zero"
+            for backend in ("sdpa", "flex_attention"):
+                out = A.attention(q, k, v, backend=backend, **kwargs)
+                if not seen.any():  # no query sees any key: everything is zero
+                    assert bool((out == 0).all()), f"{backend} {semantics}"
+                    continue
+                _assert_matches(out, ref, seen, f"{backend} {semantics} sq={sq} sk={sk}")
+
+
+def test_flash_path_with_separate_keys(fake_flash):
+    mask_q = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    mask_k = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    q, k, v = (t.bfloat16().float() for t in _qkv_lengths(2, 4, 2, 4, 7, seed=8))
+    kwargs = dict(attention_mask=mask_q, kv_attention_mask=mask_k, semantics="padding")
+    ref = A.attention(q, k, v, backend="eager", **kwargs)
+    out = A.attention(q, k, v, backend="flash_attention_2", **kwargs)
+    _assert_matches(out.float(), ref, mask_q.bool(), "flash padding sq != sk")
+    q, k, v = (t.bfloat16().float() for t in _qkv_lengths(2, 4, 2, 3, 8, seed=9))
+    kwargs = dict(attention_mask=torch.ones(2, 3), kv_attention_mask=torch.ones(2, 8), semantics="causal")
+    kwargs = {key: (val.long() if isinstance(val, torch.Tensor) else val) for key, val in kwargs.items()}
+    ref = A.attention(q, k, v, backend="eager", **kwargs)
+    out = A.attention(q, k, v, backend="flash_attention_3", **kwargs)
+    _assert_matches(out.float(), ref, torch.ones(2, 3, dtype=torch.bool), "flash causal bottom-right")
+    with pytest.raises(ValueError, match="unpadded"):
+        A.attention(q, k, v, backend="flash_attention_2", attention_mask=torch.tensor([[1, 1, 0]] * 2),
+                    kv_attention_mask=torch.ones(2, 8, dtype=torch.long), semantics="causal")  # fmt: skip
+
+
+def _bias(b, h, sq, sk, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, sq, sk, generator=gen) * 2
+
+
+@UNCOMPILED_FLEX
+@pytest.mark.usefixtures("uncompiled_flex")
+@pytest.mark.parametrize("shape", [(2, 4, 9, 9), (1, 4, 9, 9), (1, 1, 9, 9), (2, 1, 1, 9)])
+def test_bias_is_added_to_the_scaled_scores(shape):
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    q, k, v = _qkv(2, 4, 2, 9, seed=10)
+    bias = _bias(*shape)
+    ref = A.attention(q, k, v, backend="eager", attention_mask=mask, bias=bias, scale=1.0)
+    # By hand: unscaled scores plus the bias, softmax over the valid keys only (T5's formula).
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    scores = (q @ kk.transpose(-1, -2) + bias).masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+    expected = (scores.softmax(-1) @ vv).transpose(1, 2) * mask[:, :, None, None]
+    assert torch.allclose(ref, expected, atol=1e-5)
+    assert not torch.allclose(ref, A.attention(q, k, v, backend="eager", attention_mask=mask, scale=1.0))
+    for backend in ("sdpa", "flex_attention"):
+        out = A.attention(q, k, v, backend=backend, attention_mask=mask, bias=bias, scale=1.0)
+        _assert_matches(out, ref, mask.bool(), f"{backend} bias {shape}")
+
+
+def test_bias_with_separate_keys():
+    q, k, v = _qkv_lengths(2, 4, 4, 3, 10, seed=11)
+    kv_mask = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])
+    bias = _bias(1, 4, 3, 10, seed=2)
+    kwargs = dict(kv_attention_mask=kv_mask, bias=bias)
+    ref = A.attention(q, k, v, backend="eager", **kwargs)
+    _assert_matches(A.attention(q, k, v, backend="sdpa", **kwargs), ref, torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_flash_with_a_bias_raises_before_any_kernel(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("nothing may be checked or loaded before the bias is refused")
+
+    monkeypatch.setattr(fastplms.flash, "check_flash_inputs", forbidden)
+    monkeypatch.setattr(fastplms.flash, "load_flash_kernel", forbidden)
+    q, k, v = _qkv(1, 2, 2, 4)
+    for backend in A.FLASH_BACKENDS:
+        with pytest.raises(ValueError, match="bias"):
+            A.attention(q, k, v, backend=backend, bias=torch.zeros(1, 1, 4, 4))
+
+
+@UNCOMPILED_FLEX
+@pytest.mark.usefixtures("uncompiled_flex")
+def test_plan_and_attend_on_packed_tokens_equal_the_padded_facade():
+    """Models call attention_plan once per forward and attend per layer on packed tokens."""
+    for s, b, _kind, mask, ids in _cases(51, 12, ODD_LENGTHS, (1, 3, 2), ("right", "holes", "runs", "scattered")):
+        q, k, v = _qkv(b, 4, 2, s, seed=s)
+        for semantics in SEMANTICS:
+            state = A.mask_state(mask, sequence_ids=ids, semantics=semantics)
+            ref = A.attention(q, k, v, backend="eager", state=state)
+            for backend in ("eager", "sdpa", "flex_attention"):
+                plan = A.attention_plan(backend, state)
+                packed = [A.unpad(t.transpose(1, 2), plan.q_index) for t in (q, k, v)]
+                out = A.attend(*packed, plan)
+                assert out.shape == (int(state.valid.sum()), 4, 16)
+                _assert_matches(A.pad(out, plan.q_index, b, s), ref, state.valid, f"attend {backend} {semantics}")
+
+
+def test_sdpa_plan_on_cpu_runs_spans_without_a_mask_where_it_can():
+    ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 2, 2]])
+    spans = A.attention_plan("sdpa", A.mask_state(sequence_ids=ids, semantics="sequence")).form
+    assert spans == [(0, 3, 0, 3), (3, 5, 3, 5), (5, 6, 5, 6), (6, 9, 6, 9), (9, 11, 9, 11)]
+    spans = A.attention_plan("sdpa", A.mask_state(sequence_ids=ids, semantics="block_causal")).form
+    assert spans == [(0, 3, 0, 3), (3, 5, 0, 5), (5, 6, 5, 6), (6, 9, 5, 9), (9, 11, 5, 11)]
+    spans = A.attention_plan("sdpa", A.mask_state(sequence_ids=ids, semantics="padding")).form
+    assert spans == [(0, 5, 0, 5), (5, 11, 5, 11)]
+    # Interleaved ids (keys not one range) and causal run the dense path.
+    scattered = torch.tensor([[0, 1, 0, 1]])
+    assert isinstance(A.attention_plan("sdpa", A.mask_state(sequence_ids=scattered, semantics="sequence")).form,
+                      torch.Tensor)  # fmt: skip
+    assert isinstance(A.attention_plan("sdpa", A.mask_state(sequence_ids=ids, semantics="causal")).form, torch.Tensor)
+    assert isinstance(A.attention_plan("eager", A.mask_state(sequence_ids=ids, semantics="sequence")).form,
+                      torch.Tensor)  # fmt: skip
+
+
+def test_flex_packed_lengths_are_power_of_two_buckets():
+    assert [A.flex_length(n) for n in (1, 127, 128, 129, 300, 4096, 4097)] == [128, 128, 128, 256, 512, 4096, 8192]

@@ -26,13 +26,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fastplms import cli, demo
-from fastplms.build import build
+from fastplms import cli
+from fastplms.artifact.build import build
+from fastplms.cli import demo
 from fastplms.embedding import read_embedding_meta, read_embeddings
-from fastplms.esm2_reference import ESM2_DIMS, write_hf_snapshot
+from fastplms.manifest import find_checkpoint
+from fastplms.oracles.esm2 import write_hf_snapshot
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
-DIM = ESM2_DIMS["esm2_8m"][1]
+DIMS = find_checkpoint("esm2_8m")[1].dims
+DIM = DIMS[1]
 # One intra-op thread in the children too (see one_thread); offline: artifacts are local folders.
 SUBPROCESS_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -50,7 +53,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("esm2_8m")
-    snapshot = write_hf_snapshot(root / "esm2_t6_8M_UR50D", *ESM2_DIMS["esm2_8m"], seed=0)
+    snapshot = write_hf_snapshot(root / "esm2_t6_8M_UR50D", *DIMS, seed=0)
     return str(build("esm2_8m", snapshot, root / "ESM2-8M-seeded", allow_unpinned=True))
 
 
@@ -131,8 +134,9 @@ def test_summary_and_sqlite_output_equal_in_process(outputs, model, fasta: Path,
     expected = model.embed_dataset(fasta, pooling=("mean", "max"), max_tokens_per_batch=300)
     assert stored.complete and stored.ids == list(SMALL)
     assert_same(stored, expected)
-    # The CLI and the API fingerprint runs alike, so either may resume the other's output.
-    assert stored.fingerprint == expected.fingerprint
+    # The CLI and the API fingerprint runs alike, so either may resume the other's output (the weights are
+    # hashed only for a run with an output: the in-memory `expected` has no model_sha256).
+    assert stored.fingerprint == {**expected.fingerprint, **model.model_fingerprint()}
 
     # The documented layout, read with nothing but sqlite3 and struct.
     conn = sqlite3.connect(db)
@@ -424,14 +428,14 @@ def test_demo_writes_plots_and_says_the_weights_are_random(artifact, tmp_path, m
 
 def test_demo_artifact_is_rebuilt_only_when_stale(artifact: str, tmp_path: Path, monkeypatch) -> None:
     """The demo reuses its artifact while the runtime modules match this checkout's, else rebuilds it."""
-    from fastplms.build import RUNTIME_DIR
+    from fastplms.artifact.build import RUNTIME_DIR
 
     path = Path(shutil.copytree(artifact, tmp_path / "ESM2-8M-demo"))
     for module in path.glob("*.py"):  # current by construction, whatever was edited since the build
         shutil.copyfile(RUNTIME_DIR / module.name, module)
     builds = []
-    monkeypatch.setattr("fastplms.esm2_reference.write_hf_snapshot", lambda path, *dims, seed: Path(path))
-    monkeypatch.setattr("fastplms.build.build", lambda *args, **kwargs: builds.append((args, kwargs)) or path)
+    monkeypatch.setattr("fastplms.oracles.esm2.write_hf_snapshot", lambda path, *dims, seed: Path(path))
+    monkeypatch.setattr("fastplms.artifact.build.build", lambda *args, **kwargs: builds.append((args, kwargs)) or path)
     assert demo.demo_artifact(path) == path and builds == []
 
     with open(path / "embedding.py", "a") as handle:

@@ -14,9 +14,9 @@ import torch
 import fastplms.plm_base as plm_base
 from fastplms.compiled import CompiledEmbedding
 from fastplms.configuration_esm2 import ESM2Config
-from fastplms.convert_esm2 import from_transformers
-from fastplms.esm2_reference import hf_esm2_state_dict
+from fastplms.convert.esm2 import from_transformers
 from fastplms.modeling_esm2 import ESM2Model
+from fastplms.oracles.esm2 import hf_esm2_state_dict
 
 DIMS = (2, 64, 4)
 # Lengths that give batches of one long record, several mixed ones and one-residue records.
@@ -129,11 +129,11 @@ def test_compiled_path_under_bf16_autocast_matches_eager_bf16(model):
 
 
 def seeded_esmc(dims: tuple[int, int, int]):
-    """ESMC with seeded official-layout weights (`esmc_reference`), converted by the real converter."""
+    """ESMC with seeded official-layout weights (`oracles.esmc`), converted by the real converter."""
     from fastplms.configuration_esmc import ESMCConfig
-    from fastplms.convert_esmc import from_esm
-    from fastplms.esmc_reference import esmc_official_state_dict
+    from fastplms.convert.esmc import from_esm
     from fastplms.modeling_esmc import ESMCModel
+    from fastplms.oracles.esmc import esmc_official_state_dict
 
     layers, hidden, heads = dims
     state = from_esm(esmc_official_state_dict(layers, hidden, heads, seed=0))

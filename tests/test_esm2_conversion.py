@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from fastplms.configuration_esm2 import ESM2Config
-from fastplms.conversion import DROP, ConversionError, load_weights, rename_strict, rule_renamer
-from fastplms.convert_esm2 import from_fair_esm, from_transformers
-from fastplms.esm2_reference import (
+from fastplms.convert.common import DROP, ConversionError, load_weights, rename_strict, rule_renamer
+from fastplms.convert.esm2 import from_fair_esm, from_transformers
+from fastplms.modeling_esm2 import ESM2ForMaskedLM
+from fastplms.oracles.esm2 import (
     fair_esm2_state_dict,
     hf_esm2_state_dict,
     rotary_inv_freq,
     write_fair_esm_pt,
     write_hf_snapshot,
 )
-from fastplms.modeling_esm2 import ESM2ForMaskedLM
 
 DIMS = (2, 64, 4)  # layers, hidden, heads
 LAYERS, HIDDEN, HEADS = DIMS

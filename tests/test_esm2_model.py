@@ -18,17 +18,18 @@ import torch.nn.functional as F
 from transformers import EsmForMaskedLM
 
 import fastplms.flash
-import fastplms.modeling_esm2 as modeling
-from fastplms.attention import ATTENTION_BACKENDS, clear_flex_attention_caches
+import fastplms.plm_base as plm_base
+from fastplms.attention import ATTENTION_BACKENDS, attention_plan, clear_flex_attention_caches
 from fastplms.configuration_esm2 import ESM2Config
-from fastplms.convert_esm2 import from_transformers
-from fastplms.esm2_reference import hf_esm2_config, hf_esm2_state_dict
+from fastplms.convert.esm2 import from_transformers
 from fastplms.modeling_esm2 import (
     ESM2ForMaskedLM,
     ESM2ForSequenceClassification,
     ESM2ForTokenClassification,
     ESM2Model,
 )
+from fastplms.oracles.esm2 import hf_esm2_config, hf_esm2_state_dict
+from fastplms.rotary import inverse_frequencies
 from fastplms.tokenization_esm import ESM2_VOCAB, ESMTokenizer, write_vocab
 
 DIMS = (2, 64, 4)  # layers, hidden, heads
@@ -79,13 +80,13 @@ def encode(tokenizer: ESMTokenizer, *sequences: str) -> tuple[torch.Tensor, torc
 def backend_calls(monkeypatch) -> list[str]:
     """Backend every layer's attention call receives; the call itself runs for real."""
     calls: list[str] = []
-    real = modeling.attention
+    real = plm_base.attend
 
-    def spy(*args, backend, **kwargs):
-        calls.append(backend)
-        return real(*args, backend=backend, **kwargs)
+    def spy(q, k, v, plan, **kwargs):
+        calls.append(plan.backend)
+        return real(q, k, v, plan, **kwargs)
 
-    monkeypatch.setattr(modeling, "attention", spy)
+    monkeypatch.setattr(plm_base, "attend", spy)
     return calls
 
 
@@ -93,13 +94,13 @@ def backend_calls(monkeypatch) -> list[str]:
 def routed_calls(monkeypatch) -> list[str]:
     """Like backend_calls, but each call computes with eager, so any backend can be routed on CPU cheaply."""
     calls: list[str] = []
-    real = modeling.attention
+    real = plm_base.attend
 
-    def spy(*args, backend, **kwargs):
-        calls.append(backend)
-        return real(*args, backend="eager", **kwargs)
+    def spy(q, k, v, plan, **kwargs):
+        calls.append(plan.backend)
+        return real(q, k, v, attention_plan("eager", plan.state), **kwargs)
 
-    monkeypatch.setattr(modeling, "attention", spy)
+    monkeypatch.setattr(plm_base, "attend", spy)
     return calls
 
 
@@ -390,7 +391,7 @@ def test_flash_path_under_bf16_autocast_with_a_stand_in_kernel(monkeypatch, cano
         alone = model(*encode(tokenizer, TARGET)).last_hidden_state
         reference = eager(ids, mask).last_hidden_state
     assert set(flash_checks_as_cuda) == {(torch.bfloat16,) * 3}
-    assert loads == ["flash_attention_2"] * (2 * LAYERS)
+    assert loads == ["flash_attention_2"]  # resolved once per model, not per layer or call
     n = len(TARGET) + 2
     valid = mask.bool()
     assert rel_err(batched[1, :n].float(), alone[0].float()) < 2e-2
@@ -558,12 +559,16 @@ def test_save_pretrained_round_trip(tmp_path, canonical, tokenizer):
             assert torch.equal(model(ids, mask).logits, loaded.eval()(ids, mask).logits)
 
 
-def test_rotary_buffer_is_rebuilt_on_load(saved_mlm):
-    # inv_freq is a non-persistent buffer, in no checkpoint; from_pretrained must recompute it.
+def test_rotary_frequencies_are_a_formula_not_state(saved_mlm, canonical, tokenizer):
+    # No rotary buffer that from_pretrained could leave uninitialized: the tables are computed per call.
+    loaded = ESM2ForMaskedLM.from_pretrained(saved_mlm).eval()
+    assert not [name for name, _ in loaded.named_buffers() if "inv_freq" in name]
     head_dim = HIDDEN // HEADS
     expected = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    assert torch.equal(ESM2ForMaskedLM.from_pretrained(saved_mlm).esm.inv_freq, expected)
-    assert torch.equal(ESM2Model.from_pretrained(saved_mlm).inv_freq, expected)
+    assert torch.equal(inverse_frequencies(head_dim, 10000.0), expected)
+    ids, mask = encode(tokenizer, TARGET, "ACDE")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, mask).logits, build(ESM2ForMaskedLM, canonical)(ids, mask).logits)
 
 
 def test_partial_checkpoint_keeps_every_loaded_tensor(tmp_path, canonical):

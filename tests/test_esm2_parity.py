@@ -11,22 +11,22 @@ import math
 
 import pytest
 
-from fastplms.manifest import MANIFEST_DIR, load_manifest
-from fastplms.parity import (
-    ESM2_BACKENDS,
+from fastplms.families.esm2_parity import (
     ESM2_ORACLES,
     check_esm2_conversion_shapes,
     esm2_panel,
     forward_feasible,
     measure_esm2,
 )
+from fastplms.manifest import MANIFEST_DIR, load_manifest
+from fastplms.parity.driver import cpu_backends
 
 pytestmark = pytest.mark.slow
 
 FAMILY = load_manifest(MANIFEST_DIR / "esm2.toml", resolve=False)
 FORWARD = [c.id for c in FAMILY.checkpoints if forward_feasible(c)]
 SHAPES_ONLY = [c.id for c in FAMILY.checkpoints if not forward_feasible(c)]
-CPU_BACKENDS = tuple(b for b in ESM2_BACKENDS if b in FAMILY.backends)
+CPU_BACKENDS = cpu_backends(FAMILY)
 # Small but still mixed: a single residue, short and medium rows, padding, <mask> tokens, all 25 letters.
 LENGTHS = (1, 12, 40)
 TOLERANCE = 1e-5

@@ -9,8 +9,8 @@ from esm.model.esm2 import ESM2
 from safetensors import safe_open
 from transformers import AutoTokenizer, EsmForMaskedLM
 
-from fastplms.esm2_reference import (
-    ESM2_DIMS,
+from fastplms.manifest import MANIFEST_DIR, load_manifest
+from fastplms.oracles.esm2 import (
     ESM2_VOCAB,
     esm2_rule,
     fair_esm2_key,
@@ -21,7 +21,7 @@ from fastplms.esm2_reference import (
     write_fair_esm_pt,
     write_hf_snapshot,
 )
-from fastplms.validation import parity_report
+from fastplms.parity.metrics import parity_report
 
 DIMS = (2, 64, 4)  # layers, hidden, heads: tiny but with a real multi-head rotary path
 SEED = 11
@@ -175,9 +175,11 @@ def test_fair_key_mapping_covers_esm2_module():
         fair_esm2_key("esm.encoder.layer.0.attention.self.unknown.weight")
 
 
-@pytest.mark.parametrize("name", sorted(ESM2_DIMS))
-def test_release_dims_build_specs(name):
-    layers, hidden, heads = ESM2_DIMS[name]
+@pytest.mark.parametrize(
+    "checkpoint", load_manifest(MANIFEST_DIR / "esm2.toml", resolve=False).checkpoints, ids=lambda c: c.id
+)
+def test_release_dims_build_specs(checkpoint):
+    layers, hidden, heads = checkpoint.dims
     spec = hf_esm2_spec(layers, hidden, heads)
     # embeddings + 17 tensors per layer + final norm (2) + contact head (2) + LM head (6)
     assert len(spec) == 1 + 17 * layers + 2 + 2 + 6

@@ -1,14 +1,15 @@
 """ESM++ (ESMC) parity against the official EvolutionaryScale `esm` ESMC, through committed goldens.
 
 The oracle cannot share this venv, so `tools/goldens/esmc.py` ran it (esm 3.2.1.post1, FP32 CPU) on the
-seeded official-layout weights of `fastplms.esmc_reference` at each checkpoint's real dims, on the fixed
+seeded official-layout weights of `fastplms.oracles.esmc` at each checkpoint's real dims, on the fixed
 `esmc_panel()`, and committed the outputs under `tests/goldens/`. Here the same weights are regenerated,
-converted from the official `esm` layout with `convert_esmc.from_esm`, and our model runs the same panel on
+converted from the official `esm` layout with `convert.esmc.from_esm`, and our model runs the same panel on
 every CPU backend, once with the padding mask (official `sequence_id=None`) and once with the panel's integer
 `sequence_id` (two chains in one row). Every comparison is over valid (non-padding) positions.
 
 Official `hidden_states[i]` is block i's output before the final norm; ours is `hidden_states[i + 1]`
-(ours leads with the embeddings), and `last_hidden_state` is the official `embeddings` (post-norm).
+(ours leads with the embeddings) for every block but the last, and our last entry (= `last_hidden_state`)
+is the official `embeddings` (post-norm).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from safetensors.torch import load_file
 
 from fastplms.attention import clear_flex_attention_caches
 from fastplms.configuration_esmc import ESMCConfig
-from fastplms.convert_esmc import from_esm
-from fastplms.esmc_reference import ESMC_DIMS, esmc_official_state_dict, esmc_panel
+from fastplms.convert.esmc import from_esm
 from fastplms.manifest import MANIFEST_DIR, load_manifest
 from fastplms.modeling_esmc import ESMCForMaskedLM
+from fastplms.oracles.esmc import esmc_official_state_dict, esmc_panel
+from fastplms.parity.driver import cpu_backends
+from fastplms.parity.metrics import max_abs, relative_l2
 from fastplms.tokenization_esm import ESMC_VOCAB, ESMTokenizer, write_vocab
-from fastplms.validation import max_abs, relative_l2
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +39,7 @@ GOLDENS = Path(__file__).resolve().parent / "goldens"
 RECIPE = json.loads((GOLDENS / "esmc_manifest.json").read_text())
 FAMILY = load_manifest(MANIFEST_DIR / "esmc.toml", resolve=False)
 MODELS = [c.id for c in FAMILY.checkpoints if c.id in RECIPE["models"]]
-BACKENDS = [b for b in ("eager", "sdpa", "flex_attention") if b in FAMILY.backends]
+BACKENDS = cpu_backends(FAMILY)
 VARIANTS = ("padding", "sequence_id")
 TOLERANCE = 1e-5
 
@@ -49,9 +51,7 @@ def goldens(name: str) -> dict[str, torch.Tensor]:
 
 
 def build_ours(name: str) -> ESMCForMaskedLM:
-    layers, hidden, heads = ESMC_DIMS[name]
-    checkpoint = FAMILY.checkpoint(name)
-    assert (layers, hidden, heads) == (checkpoint.num_layers, checkpoint.hidden_size, checkpoint.num_heads)
+    layers, hidden, heads = FAMILY.checkpoint(name).dims
     state = from_esm(esmc_official_state_dict(layers, hidden, heads, seed=RECIPE["seed"]))
     config = ESMCConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads)
     with torch.device("meta"):
@@ -67,8 +67,10 @@ def measure(name: str) -> dict[tuple[str, str], dict[str, float]]:
     assert torch.equal(gold["input_ids"], panel.input_ids) and torch.equal(gold["sequence_id"], panel.sequence_id)
     ids, mask, sid = panel.input_ids, panel.attention_mask, panel.sequence_id
     valid = mask.bool()
-    layers = [int(i) + 1 for i in gold["hidden_state_layers"]]  # ours leads with the embeddings
     model = build_ours(name)
+    # Ours leads with the embeddings and ends with the final-norm output (compared as embeddings).
+    last = len(model.esmc.layers)
+    layers = [(j, int(i) + 1) for j, i in enumerate(gold["hidden_state_layers"]) if int(i) + 1 < last]
     records: dict[tuple[str, str], dict[str, float]] = {}
     try:
         for backend in BACKENDS:
@@ -77,8 +79,8 @@ def measure(name: str) -> dict[tuple[str, str], dict[str, float]]:
                 kwargs = {"attention_mask": mask} if variant == "padding" else {"sequence_id": sid}
                 with torch.no_grad():
                     out = model(ids, output_hidden_states=True, **kwargs)
-                    # The official `embeddings`: the final norm of the last block's output (one forward only).
-                    embeddings = model.esmc.final_norm(out.hidden_states[-1])
+                    # The official `embeddings` (the final norm of the last block's output) is our last entry.
+                    embeddings = out.hidden_states[-1]
                 prefix = "" if variant == "padding" else "seqid_"
                 record = {
                     "logits_relative_l2": relative_l2(out.logits, gold[prefix + "logits"], valid),
@@ -88,7 +90,7 @@ def measure(name: str) -> dict[tuple[str, str], dict[str, float]]:
                 }
                 if variant == "padding":
                     record["hidden_states_relative_l2"] = max(
-                        relative_l2(out.hidden_states[i][valid], gold["hidden_states"][j]) for j, i in enumerate(layers)
+                        relative_l2(out.hidden_states[i][valid], gold["hidden_states"][j]) for j, i in layers
                     )
                 records[(backend, variant)] = record
                 print(f"{name} {backend:15s} {variant:11s} " + " ".join(f"{k}={v:.2e}" for k, v in record.items()))
@@ -139,7 +141,7 @@ def test_matches_official_goldens(name, backend, measured):
 @pytest.mark.parametrize("name", [c.id for c in FAMILY.checkpoints])
 def test_conversion_shapes_at_real_dims(name):
     """Both official layouts (esm, Biohub) at real dims, meta tensors only: what the parity report records."""
-    from fastplms.parity import check_esmc_conversion_shapes
+    from fastplms.families.esmc_parity import check_esmc_conversion_shapes
 
     record = check_esmc_conversion_shapes(name)
     assert record["ok"], record["problems"]

@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fastplms.esmc_reference import (
+from fastplms.manifest import MANIFEST_DIR, load_manifest
+from fastplms.oracles.esmc import (
     CHAIN_BREAK_ID,
-    ESMC_DIMS,
     ESMC_VOCAB,
     MASK_ID,
     PAD_ID,
@@ -37,6 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDENS = REPO / "tests" / "goldens"
 MANIFEST = GOLDENS / "esmc_manifest.json"
 ORACLE_PYTHON = REPO / ".venv-esmc" / "bin" / "python"
+REFERENCE = REPO / "src" / "fastplms" / "oracles" / "esmc.py"
+# The released models' dims, as the manifest states them: id -> (n_layers, d_model, n_heads).
+ESMC_DIMS = {c.id: c.dims for c in load_manifest(MANIFEST_DIR / "esmc.toml", resolve=False).checkpoints}
 needs_oracle = pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason="oracle venv .venv-esmc not set up")
 
 # ESMC(d_model=64, n_heads=4, n_layers=2, ...).state_dict(), as listed by the official esm 3.2.1.post1 model.
@@ -206,7 +209,7 @@ report = {}
 tiny = build(2, 64, 4)
 report["tiny"] = list(ref.esmc_official_spec(2, 64, 4).items()) == layout(tiny)
 tiny.load_state_dict(ref.esmc_official_state_dict(2, 64, 4), strict=True)
-for name, dims in ref.ESMC_DIMS.items():
+for name, dims in json.loads(sys.argv[2]).items():
     with torch.device("meta"):
         model = build(*dims)
     report[name] = list(ref.esmc_official_spec(*dims).items()) == layout(model)
@@ -221,7 +224,7 @@ print(json.dumps(report))
 @needs_oracle
 def test_spec_tokenizer_and_panel_against_official_esm():
     result = subprocess.run(
-        [str(ORACLE_PYTHON), "-c", ORACLE_CHECK, str(REPO / "src" / "fastplms" / "esmc_reference.py")],
+        [str(ORACLE_PYTHON), "-c", ORACLE_CHECK, str(REFERENCE), json.dumps(ESMC_DIMS)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -248,7 +251,7 @@ def test_golden_recipe_reproduces_bit_for_bit():
 
 def test_reference_imports_without_transformers_or_fastplms():
     # The oracle venv loads the module by file path: it must not need transformers or the fastplms package.
-    path = str(REPO / "src" / "fastplms" / "esmc_reference.py")
+    path = str(REFERENCE)
     code = (
         "import importlib.util, sys\n"
         "class Block:\n"

@@ -169,7 +169,7 @@ def test_flash_varlen_forward_passes_pinned_signature_and_unwraps_tuples() -> No
     out, lse = torch.randn(7, 4, 8), torch.randn(4, 7)
     for result in (out, (out, lse)):
         kernel = _RecordingKernel(result)
-        got = flash.flash_varlen_forward(kernel, q, kv, kv, cu, 4, scale=0.25, causal=False)  # type: ignore[arg-type]
+        got = flash.flash_varlen_forward(kernel, q, kv, kv, cu, cu, 4, 4, scale=0.25, causal=False)  # type: ignore[arg-type]
         assert got is out
         ((args, kwargs),) = kernel.calls
         assert args[:3] == (q, kv, kv) and args[3] is cu and args[4] is cu and args[5:] == (4, 4)
@@ -180,10 +180,12 @@ def test_flash_varlen_forward_rejects_bad_layouts() -> None:
     kernel = _RecordingKernel(None)
     q = torch.randn(7, 4, 8)
     with pytest.raises(ValueError, match="int32"):
-        flash.flash_varlen_forward(kernel, q, q, q, torch.tensor([0, 7]), 7, scale=1.0, causal=False)  # type: ignore[arg-type]
+        flash.flash_varlen_forward(
+            kernel, q, q, q, torch.tensor([0, 7]), torch.tensor([0, 7]), 7, 7, scale=1.0, causal=False
+        )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="packed"):
         cu = torch.tensor([0, 7], dtype=torch.int32)
-        flash.flash_varlen_forward(kernel, q[None], q, q, cu, 7, scale=1.0, causal=False)  # type: ignore[arg-type]
+        flash.flash_varlen_forward(kernel, q[None], q, q, cu, cu, 7, 7, scale=1.0, causal=False)  # type: ignore[arg-type]
     assert kernel.calls == []
 
 

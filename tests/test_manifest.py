@@ -55,6 +55,13 @@ def test_real_manifest_loads(path: Path) -> None:
         assert checkpoint.sources, checkpoint.id
 
 
+def test_backend_names_mirror_the_attention_facade() -> None:
+    # The loader keeps its own copy so that reading a manifest needs neither torch nor the runtime.
+    from fastplms.attention import ATTENTION_BACKENDS
+
+    assert BACKENDS == ATTENTION_BACKENDS
+
+
 def test_load_all_matches_files() -> None:
     families = load_all(resolve=False)
     assert sorted(families) == [p.stem for p in MANIFESTS]
@@ -443,3 +450,10 @@ def test_load_all_rejects_published_name_in_two_families(tmp_path: Path) -> None
 def test_load_all_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="no such manifest directory"):
         load_all(tmp_path / "absent")
+
+
+def test_config_table_is_optional_and_unknown_top_level_keys_still_fail(tmp_path: Path) -> None:
+    assert_rejected(write_variant(tmp_path, "[attention]", "[configs]\nx = 1\n\n[attention]"), "configs", "unknown key")
+    assert_rejected(write_variant(tmp_path, "[attention]", "[config]\n\n[attention]"), "config", "must not be empty")
+    path = write_variant(tmp_path, "[attention]", "[config]\nx = 1\n\n[attention]")
+    assert dict(load_manifest(path, resolve=False).config) == {"x": 1}

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastplms.seeded_weights import default_rule, seeded_state_dict, seeded_tensor
+from fastplms.oracles.seeded_weights import default_rule, seeded_state_dict, seeded_tensor
 
-MODULE_PATH = Path(__file__).resolve().parents[1] / "src" / "fastplms" / "seeded_weights.py"
+MODULE_PATH = Path(__file__).resolve().parents[1] / "src" / "fastplms" / "oracles" / "seeded_weights.py"
 
 # Bit-for-bit regression guard: recorded once with numpy 2.4 (PCG64 + SeedSequence + float64 normals).
 # If these change, every "reference" checkpoint built from the generator changes with them.
@@ -125,4 +125,4 @@ def test_importable_without_torch_by_file_path():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == str(GOLDEN_A_WEIGHT_BITS)
-    assert importlib.util.find_spec("fastplms.seeded_weights") is not None
+    assert importlib.util.find_spec("fastplms.oracles.seeded_weights") is not None

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastplms.validation import (
+from fastplms.parity.metrics import (
     jensen_shannon,
     max_abs,
     parity_report,

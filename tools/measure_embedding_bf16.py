@@ -4,7 +4,7 @@
         [--backends sdpa,eager,compiled] [--max-tokens 4096]
 
 The model is ESM2 at the real 8M dimensions (6 layers, hidden 320, 20 heads) with the seeded
-official-layout weights of `fastplms.esm2_reference` (seed 0: the numbers the demo artifact holds),
+official-layout weights of `fastplms.oracles.esm2` (seed 0: the numbers the demo artifact holds),
 converted by the real converter. The panel is the first `--records` proteins of the FASTA file. Per
 backend it embeds the panel twice, FP32 and BF16 autocast (parameters stay float32; `compiled` is SDPA
 with the BF16 run on `embed_dataset`'s compiled path, whose CPU BF16 attention is its own), and prints, over
@@ -23,14 +23,16 @@ import time
 import torch
 
 from fastplms.configuration_esm2 import ESM2Config
-from fastplms.convert_esm2 import from_transformers
-from fastplms.esm2_reference import ESM2_DIMS, hf_esm2_state_dict
-from fastplms.manifest import REPO_ROOT
+from fastplms.convert.esm2 import from_transformers
+from fastplms.manifest import REPO_ROOT, find_checkpoint
 from fastplms.modeling_esm2 import ESM2Model
+from fastplms.oracles.esm2 import hf_esm2_state_dict
+
+DIMS = find_checkpoint("esm2_8m")[1].dims
 
 
 def seeded_esm2_8m(seed: int = 0) -> ESM2Model:
-    layers, hidden, heads = ESM2_DIMS["esm2_8m"]
+    layers, hidden, heads = DIMS
     state = from_transformers(hf_esm2_state_dict(layers, hidden, heads, seed=seed), heads)
     encoder = {key.removeprefix("esm."): value for key, value in state.items() if key.startswith("esm.")}
     model = ESM2Model(ESM2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads))
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = sorted(map(len, panel.values()))
     print(f"panel     {len(panel)} proteins from {args.fasta}")
     print(f"          lengths {lengths[0]}..{lengths[-1]}, {sum(lengths)} residues")
-    print(f"model     ESM2 8M dims {ESM2_DIMS['esm2_8m']} (layers, hidden, heads), seeded weights (seed 0)")
+    print(f"model     ESM2 8M dims {DIMS} (layers, hidden, heads), seeded weights (seed 0)")
     print(f"machine   torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, CPU autocast")
     model = seeded_esm2_8m()
     for backend in args.backends.split(","):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-ESM2_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+from .attention import ATTENTION_BACKENDS
 
 
 class ESM2Config(PretrainedConfig):
@@ -32,7 +32,8 @@ class ESM2Config(PretrainedConfig):
         cls_token_id: int = 0,
         eos_token_id: int = 2,
         classifier_dropout: float = 0.0,
-        allowed_backends: tuple[str, ...] | list[str] = ESM2_BACKENDS,
+        allowed_backends: tuple[str, ...]
+        | list[str] = ATTENTION_BACKENDS,  # built from a manifest: its list
         allowed_dtypes: tuple[str, ...] | list[str] = ("float32", "bfloat16"),
         bf16_policy: str = "autocast",
         family: str = "ESM2",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-ESMC_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+from .attention import ATTENTION_BACKENDS
 
 
 def swiglu_hidden_size(hidden_size: int, expansion_ratio: float = 8 / 3) -> int:
@@ -39,7 +39,8 @@ class ESMCConfig(PretrainedConfig):
         eos_token_id: int = 2,
         chain_break_token_id: int = 31,
         classifier_dropout: float = 0.0,
-        allowed_backends: tuple[str, ...] | list[str] = ESMC_BACKENDS,
+        allowed_backends: tuple[str, ...]
+        | list[str] = ATTENTION_BACKENDS,  # built from a manifest: its list
         allowed_dtypes: tuple[str, ...] | list[str] = ("float32", "bfloat16"),
         bf16_policy: str = "autocast",
         family: str = "ESM++",

@@ -207,23 +207,27 @@ def flash_varlen_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     *,
     scale: float,
     causal: bool,
 ) -> torch.Tensor:
-    """Attention over packed (total_tokens, heads, head_dim) segments; k/v may have fewer heads (GQA)."""
+    """Attention over packed (total_tokens, heads, head_dim) segments; k/v may have fewer heads (GQA) and
+    other segment lengths (causal is then bottom-right aligned per segment, as FlashAttention defines it)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             "flash_varlen_forward expects packed (total_tokens, heads, head_dim) q, k, v; "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     # Checked without reading values so the hot path never forces a device sync.
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor; got {cu.dtype} {tuple(cu.shape)}")
     out = kernel.flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale, causal=causal
     )
     # Some flash-attn3 builds return (out, softmax_lse).
     if isinstance(out, tuple):

@@ -17,11 +17,15 @@ sequence id, and without either, every non-<pad> token is one sequence (the offi
 positions are a token's index in its row, as in the official non-flash path.
 
 Outputs: `last_hidden_state` is the final-norm output (the official `embeddings`); `hidden_states` holds
-L + 1 tensors, the embeddings followed by every block's output before the final norm, so that
-`hidden_states[1:]` are exactly the official `hidden_states`. Padding positions are zeros everywhere.
+L + 1 tensors in the convention every family keeps: the input to each block (the embeddings, then each
+block's output before the final norm), followed by the final-norm output, so `hidden_states[-1]` equals
+`last_hidden_state`. Against the official outputs: `hidden_states[1:-1]` are the official `hidden_states`
+but the last, and `hidden_states[-1]` is the official `embeddings`. Padding positions are zeros everywhere.
 
 Padding-free: the mask is normalized once per forward; LayerNorms, projections, MLPs and heads run on the
-packed valid tokens only, and just the attention call sees the (batch, seq) layout.
+packed valid tokens only, and just the attention call sees the (batch, seq) layout. Rotary tables, task
+heads, input checks, weight init and the forward contract are the shared runtime modules' (`rotary.py`,
+`heads.py`, `plm_base.py`).
 """
 
 from __future__ import annotations
@@ -31,31 +35,20 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import (
-    BaseModelOutput,
-    MaskedLMOutput,
-    SequenceClassifierOutput,
-    TokenClassifierOutput,
-)
+from transformers.utils import ModelOutput
 
-from .attention import FLASH_BACKENDS, MaskState, attention, mask_state, pad, unpad
+from .attention import FLASH_BACKENDS, MaskState, mask_state, pad
 from .compiled import run_layers_packed
 from .configuration_esmc import ESMCConfig
-from .embedding import ResidueEncoder
-from .plm_base import FastPLMPreTrainedModel, classification_loss
+from .heads import MaskedLMModel, SequenceClassificationModel, TokenClassificationModel
+from .plm_base import AttentionLayer, Encoded, FastPLMPreTrainedModel, run_encoder
+from .rotary import apply_rotary, inverse_frequencies, rotary_tables
 from .tokenization_esm import ESMC_VOCAB
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding on packed (tokens, heads, head_dim) inputs."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class ESMCLayer(nn.Module):
+class ESMCLayer(AttentionLayer):
     def __init__(self, config: ESMCConfig) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.layer_norm_eps
@@ -71,22 +64,6 @@ class ESMCLayer(nn.Module):
         self.fc1 = nn.Linear(d, 2 * config.intermediate_size, bias=False)
         self.fc2 = nn.Linear(config.intermediate_size, d, bias=False)
 
-    def forward(self, h, cos, sin, state: MaskState, indices, backend: str, want_probs: bool, lockfile=None):
-        batch, seq = state.valid.shape
-        q, k, v = (pad(t, indices, batch, seq).transpose(1, 2) for t in self.attention_inputs(h, cos, sin))
-        result = attention(
-            q,
-            k,
-            v,
-            backend=backend,
-            state=state,
-            scale=q.shape[-1] ** -0.5,
-            return_probs=want_probs,
-            flash_lockfile=lockfile,
-        )
-        out, probs = result if want_probs else (result, None)
-        return self.finish(h, unpad(out, indices)), probs
-
     def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Packed (tokens, heads, head_dim) q, k, v with the q/k norms and rotary applied."""
         tokens, d = h.shape
@@ -96,7 +73,7 @@ class ESMCLayer(nn.Module):
         q, k, v = (t.reshape(tokens, self.num_heads, d // self.num_heads) for t in (q, k, v))
         # Rotary tables in the q/k dtype (bf16 under autocast), as the official cache is built.
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Output projection of packed attention outputs (tokens, heads, head_dim), scaled residuals, MLP."""
@@ -109,44 +86,20 @@ class ESMCPreTrainedModel(FastPLMPreTrainedModel):
     config_class = ESMCConfig
     base_model_prefix = "esmc"
     _no_split_modules = ["ESMCLayer"]
+    vocabulary = ESMC_VOCAB
+    residues = RESIDUES
 
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, 0.02)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, 0.02)
-        elif isinstance(module, nn.LayerNorm):
-            module.weight.fill_(1.0)
-            if module.bias is not None:
-                module.bias.zero_()
-
-    def residue_encoder(self) -> ResidueEncoder:
-        ids = {token: i for i, token in enumerate(ESMC_VOCAB)}
-        return ResidueEncoder(
-            alphabet=frozenset(RESIDUES),
-            to_id={r: ids[r] for r in RESIDUES},
-            prefix=(self.config.cls_token_id,),
-            suffix=(self.config.eos_token_id,),
-            pad_id=self.config.pad_token_id,
-            max_residues=self.config.max_position_embeddings - 2,
-        )
-
-
-class _Encoded:
-    """Packed result of the encoder, before padding back to (batch, seq)."""
-
-    def __init__(self, h, indices, batch, seq, hidden, attentions) -> None:
-        self.h, self.indices, self.batch, self.seq = h, indices, batch, seq
-        self.hidden, self.attentions = hidden, attentions
-
-    def padded(self, packed: torch.Tensor) -> torch.Tensor:
-        return pad(packed, self.indices, self.batch, self.seq)
-
-    def hidden_states(self) -> tuple[torch.Tensor, ...] | None:
-        return None if self.hidden is None else tuple(self.padded(x) for x in self.hidden)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        sequence_id: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **options,
+    ) -> ModelOutput | tuple:
+        """`FastPLMPreTrainedModel.forward` with ESMC's `sequence_id` in the signature (Trainer keeps only
+        the dataset columns a forward names)."""
+        return super().forward(input_ids, attention_mask, labels, sequence_id=sequence_id, **options)
 
 
 class ESMCModel(ESMCPreTrainedModel):
@@ -159,21 +112,6 @@ class ESMCModel(ESMCPreTrainedModel):
         self.layers = nn.ModuleList(ESMCLayer(config) for _ in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
-    def _check_inputs(self, input_ids: torch.Tensor) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be a tensor of shape (batch, seq); received {shape}.")
-        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be integer token ids; received dtype {input_ids.dtype}.")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}).")
 
     def _mask_state(
         self,
@@ -219,45 +157,32 @@ class ESMCModel(ESMCPreTrainedModel):
                 )
         return state
 
-    def _encode(
+    def encode(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         sequence_id: torch.Tensor | None = None,
+        *,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
         warn_eager: bool = True,
-    ) -> _Encoded:
-        self._check_inputs(input_ids)
-        self.check_dtypes(input_ids.device.type)
+    ) -> Encoded:
+        """The encoder, packed; `forward` (plm_base) pads it and applies the head of the model class."""
+        backend = self.checked_backend(input_ids, output_attentions, warn_eager)
         batch, seq = input_ids.shape
-        backend = self.attention_backend(output_attentions, warn=warn_eager)
-        state = self._mask_state(input_ids, attention_mask, sequence_id, backend)
-        indices = state.valid.flatten().nonzero().flatten()
-        h, cos, sin = self._packed_inputs(input_ids, indices)
-        lockfile = self.flash_lockfile() if backend.startswith("flash") else None
-        hidden = [h] if output_hidden_states else None
-        attentions = [] if output_attentions else None
-        for layer in self.layers:
-            h, probs = layer(h, cos, sin, state, indices, backend, output_attentions, lockfile)
-            if output_hidden_states:
-                hidden.append(h)
-            if output_attentions:
-                attentions.append(probs)
-        return _Encoded(self.final_norm(h), indices, batch, seq, hidden, attentions)
+        plan = self.attention_plan(backend, self._mask_state(input_ids, attention_mask, sequence_id, backend))
+        h, cos, sin = self._packed_inputs(input_ids, plan.q_index)
+        h, hidden, attentions = run_encoder(
+            self.layers, self.final_norm, h, cos, sin, plan, output_hidden_states, output_attentions
+        )
+        return Encoded(h, plan.q_index, batch, seq, hidden, attentions)
 
     def _packed_inputs(self, input_ids: torch.Tensor, indices: torch.Tensor):
         """Embeddings of the valid tokens and their rotary tables (float32; positions = index in the row)."""
-        seq = input_ids.shape[1]
         h = self.embed_tokens(input_ids.flatten().index_select(0, indices))
-        # Computed per call rather than kept as a buffer: Transformers leaves non-persistent buffers
-        # uninitialized after from_pretrained, and the formula costs nothing.
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=indices.device) / head_dim
-        inv_freq = 1 / self.config.rope_theta**exponent
-        freqs = (indices % seq).float()[:, None] * inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return h, angles.cos(), angles.sin()
+        config = self.config
+        inv_freq = inverse_frequencies(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        return h, *rotary_tables(indices % input_ids.shape[1], inv_freq)
 
     def embedding_core(self, input_ids: torch.Tensor, valid: torch.Tensor, compile) -> torch.Tensor:
         """Last hidden states (b, s, d) for `embed_dataset`'s compiled path (`compiled.py`), sdpa semantics.
@@ -267,145 +192,24 @@ class ESMCModel(ESMCPreTrainedModel):
         (dynamic token counts) and run for every layer on packed tokens; attention runs per sequence on its
         own tokens. Same function as `forward` with that mask (sdpa backend).
         """
-        self._check_inputs(input_ids)
+        self.check_input_ids(input_ids)
         self.check_dtypes(input_ids.device.type)
-        batch, seq = input_ids.shape
-        indices = valid.flatten().nonzero().flatten()
-        scale = (self.config.hidden_size // self.config.num_attention_heads) ** -0.5
-        h = run_layers_packed(self.layers, valid, *self._packed_inputs(input_ids, indices), compile, scale)
-        return pad(self.final_norm(h), indices, batch, seq)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        sequence_id: torch.Tensor | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutput:
-        enc = self._encode(input_ids, attention_mask, sequence_id, bool(output_hidden_states), bool(output_attentions))
-        return BaseModelOutput(
-            last_hidden_state=enc.padded(enc.h),
-            hidden_states=enc.hidden_states(),
-            attentions=None if enc.attentions is None else tuple(enc.attentions),
-        )
+        plan = self.attention_plan("sdpa", mask_state(valid))
+        h = run_layers_packed(self.layers, plan, *self._packed_inputs(input_ids, plan.q_index), compile)
+        return pad(self.final_norm(h), plan.q_index, *input_ids.shape)
 
 
-class ESMCLMHead(nn.Module):
-    """The official sequence head: Linear(d, d), GELU, LayerNorm(d), Linear(d, 64)."""
-
+class ESMCForMaskedLM(MaskedLMModel, ESMCPreTrainedModel):
     def __init__(self, config: ESMCConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.norm(F.gelu(self.dense(x))))
+        # The official sequence head: its decoder has a bias of its own.
+        super().__init__(config, ESMCModel(config), decoder_bias=True)
 
 
-class ESMCForMaskedLM(ESMCPreTrainedModel):
+class ESMCForSequenceClassification(SequenceClassificationModel, ESMCPreTrainedModel):
     def __init__(self, config: ESMCConfig) -> None:
-        super().__init__(config)
-        self.esmc = ESMCModel(config)
-        self.lm_head = ESMCLMHead(config)
-        self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head.decoder
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        sequence_id: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> MaskedLMOutput:
-        enc = self.esmc._encode(
-            input_ids, attention_mask, sequence_id, bool(output_hidden_states), bool(output_attentions)
-        )
-        logits = enc.padded(self.lm_head(enc.h))
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1), ignore_index=-100)
-        return MaskedLMOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=enc.hidden_states(),
-            attentions=None if enc.attentions is None else tuple(enc.attentions),
-        )
+        super().__init__(config, ESMCModel(config))
 
 
-class ESMCForSequenceClassification(ESMCPreTrainedModel):
-    """Classification head on the <cls> state: dense, tanh, projection (the Transformers ESM layout)."""
-
-    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
-
+class ESMCForTokenClassification(TokenClassificationModel, ESMCPreTrainedModel):
     def __init__(self, config: ESMCConfig) -> None:
-        super().__init__(config)
-        self.esmc = ESMCModel(config)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(config.classifier_dropout)
-        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        sequence_id: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> SequenceClassifierOutput:
-        out = self.esmc(input_ids, attention_mask, sequence_id, output_hidden_states, output_attentions)
-        x = torch.tanh(self.dense(self.dropout(out.last_hidden_state[:, 0])))
-        logits = self.out_proj(self.dropout(x))
-        loss = None if labels is None else classification_loss(self.config, logits, labels)
-        return SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
-        )
-
-
-class ESMCForTokenClassification(ESMCPreTrainedModel):
-    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
-
-    def __init__(self, config: ESMCConfig) -> None:
-        super().__init__(config)
-        self.esmc = ESMCModel(config)
-        self.dropout = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        sequence_id: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> TokenClassifierOutput:
-        enc = self.esmc._encode(
-            input_ids, attention_mask, sequence_id, bool(output_hidden_states), bool(output_attentions)
-        )
-        logits = enc.padded(self.classifier(self.dropout(enc.h)))
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, self.config.num_labels).float(), labels.view(-1))
-        return TokenClassifierOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=enc.hidden_states(),
-            attentions=None if enc.attentions is None else tuple(enc.attentions),
-        )
+        super().__init__(config, ESMCModel(config))

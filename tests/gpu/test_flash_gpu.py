@@ -38,7 +38,7 @@ def test_varlen_matches_sdpa_per_segment(implementation: str, kv_heads: int, cau
     q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
     scale = dim**-0.5
-    out = flash_varlen_forward(kernel, q, k, v, cu, max(lengths), scale=scale, causal=causal)
+    out = flash_varlen_forward(kernel, q, k, v, cu, cu, max(lengths), max(lengths), scale=scale, causal=causal)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
 
     worst = 0.0

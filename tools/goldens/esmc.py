@@ -6,8 +6,8 @@ Run in the oracle venv only (``tools/goldens/setup_esmc_venv.sh``), from the rep
     .venv-esmc/bin/python -m tools.goldens.esmc --out tests/goldens/ --check   # bit-for-bit re-run
 
 For each of esmc_300m / esmc_600m it builds ``esm.models.esmc.ESMC`` with the official constructor
-(``use_flash_attn=False``), loads ``fastplms.esmc_reference.esmc_official_state_dict`` strictly, and runs
-``fastplms.esmc_reference.esmc_panel()`` in FP32 on CPU, once with ``sequence_id=None`` (mask derived from
+(``use_flash_attn=False``), loads ``fastplms.oracles.esmc.esmc_official_state_dict`` strictly, and runs
+``fastplms.oracles.esmc.esmc_panel()`` in FP32 on CPU, once with ``sequence_id=None`` (mask derived from
 padding) and once with the panel's explicit integer ``sequence_id`` (chains of the multi-chain row kept apart).
 File layout: ``tools/goldens/README.md``. Only the outputs are committed, never the ``esm`` code.
 """
@@ -27,24 +27,35 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_PATH = REPO_ROOT / "src" / "fastplms" / "esmc_reference.py"
+REFERENCE_PATH = REPO_ROOT / "src" / "fastplms" / "oracles" / "esmc.py"
+MANIFEST_LOADER_PATH = REPO_ROOT / "src" / "fastplms" / "manifest" / "loader.py"
 MODELS = ("esmc_300m", "esmc_600m")
 SEED = 0
 THREADS = 1  # fixed: GEMM reduction order can depend on the thread count
 MANIFEST = "esmc_manifest.json"
 
 
-def load_reference():
-    """``fastplms.esmc_reference`` loaded by file path (fastplms is not installed in the oracle venv)."""
-    name = "_fastplms_esmc_reference_by_path"
+def _load_by_path(name: str, path: Path):
+    # fastplms is not installed in the oracle venv; these two modules import nothing of it.
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REFERENCE_PATH)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_reference():
+    """``fastplms.oracles.esmc`` loaded by file path."""
+    return _load_by_path("_fastplms_esmc_reference_by_path", REFERENCE_PATH)
+
+
+def model_dims(name: str) -> tuple[int, int, int]:
+    """(n_layers, d_model, n_heads) of checkpoint ``name``, as ``manifests/esmc.toml`` states them."""
+    loader = _load_by_path("_fastplms_manifest_loader_by_path", MANIFEST_LOADER_PATH)
+    return loader.load_manifest(REPO_ROOT / "manifests" / "esmc.toml", resolve=False).checkpoint(name).dims
 
 
 def sha256(path: Path) -> str:
@@ -69,7 +80,7 @@ def build_official(n_layers: int, d_model: int, n_heads: int):
 
 def run_model(name: str, ref, torch) -> tuple[dict, dict]:
     """Returns (tensors to save, facts for the manifest)."""
-    n_layers, d_model, n_heads = ref.ESMC_DIMS[name]
+    n_layers, d_model, n_heads = model_dims(name)
     panel = ref.esmc_panel()
     facts: dict = {}
 
@@ -163,7 +174,7 @@ def generate(out_dir: Path, models: tuple[str, ...]) -> dict:
         "command": ".venv-esmc/bin/python -m tools.goldens.esmc --out tests/goldens/",
         "oracle": "esm.models.esmc.ESMC(d_model, n_heads, n_layers, tokenizer=EsmSequenceTokenizer(), "
         "use_flash_attn=False), strict load_state_dict, eval, FP32 CPU",
-        "weights": "fastplms.esmc_reference.esmc_official_state_dict(n_layers, d_model, n_heads, seed)",
+        "weights": "fastplms.oracles.esmc.esmc_official_state_dict(n_layers, d_model, n_heads, seed)",
         "seed": SEED,
         "threads": THREADS,
         "deterministic_algorithms": True,
@@ -192,7 +203,7 @@ def generate(out_dir: Path, models: tuple[str, ...]) -> dict:
         "models": {},
     }
     for name in models:
-        n_layers, d_model, n_heads = ref.ESMC_DIMS[name]
+        n_layers, d_model, n_heads = model_dims(name)
         t0 = time.perf_counter()
         tensors, facts = run_model(name, ref, torch)
         path = out_dir / f"{name}.safetensors"

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .conversion import DROP, ConversionError, rename_strict, rule_renamer
+from .common import DROP, ConversionError, rename_strict, rule_renamer
 
 TRANSFORM_ID = "esm2-v1"
 

@@ -3,8 +3,6 @@
 A manifest is the single source of truth for a family: checkpoints and their official sources,
 AutoClasses, attention backends, dtypes. Every problem is a `ManifestError` that names the file and
 the key path, because a manifest mistake found late (at build or test time) is far harder to trace.
-
-Not a runtime module: it is never copied into a Hub artifact, so it may import anything.
 """
 
 from __future__ import annotations
@@ -26,14 +24,13 @@ def _find_repo_root() -> Path:
     for parent in here.parents:
         if (parent / "manifests").is_dir() and (parent / "pyproject.toml").is_file():
             return parent
-    return here.parents[2]  # src/fastplms/manifest.py -> repo root; load_all reports it if absent
+    return here.parents[3]  # src/fastplms/manifest/loader.py -> repo root; load_all reports it if absent
 
 
 REPO_ROOT = _find_repo_root()
 MANIFEST_DIR = REPO_ROOT / "manifests"
 
-# Mirrors the names `fastplms.attention` accepts; kept here too because runtime modules must not
-# import this (non-runtime) module and vice versa.
+# Mirrors the names `fastplms.attention` accepts, so that reading a manifest needs neither torch nor the runtime.
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 DTYPES = ("float32", "bfloat16", "float16")
 # autocast: FP32 parameters under BF16 autocast; cast: parameters themselves cast to BF16.
@@ -48,6 +45,8 @@ SOURCE_KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingProxy
         "esm": (frozenset({"repo", "file"}), frozenset({"revision", "files", "license"})),
         # A Biohub Hub snapshot (safetensors with Transformer-Engine names and config.json).
         "biohub": (frozenset({"repo"}), frozenset({"revision", "files", "license"})),
+        # A Profluent-Bio Hub snapshot (config.json, model.safetensors, tokenizer.json) of the official E1 code.
+        "profluent": (frozenset({"repo"}), frozenset({"revision", "files", "license"})),
     }
 )
 
@@ -61,6 +60,12 @@ _TARGET = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*")
 # Auto classes we can advertise in an artifact's auto_map. `startswith("Auto")` alone would admit
 # model classes such as transformers.AutoformerModel.
 _AUTO_NAME = re.compile(r"Auto(Config|Tokenizer|Model|ModelFor\w+)")
+# Config field names (`[config]`, a checkpoint's `config`): Python identifiers as a config's attributes are.
+_FIELD = re.compile(r"[a-z][a-z0-9_]*")
+# Checkpoint keys that are fields of their own, so a checkpoint's `config` cannot restate them.
+_CHECKPOINT_DIMS = frozenset({"num_layers", "hidden_size", "num_heads"})
+
+ConfigValue = str | int | float | bool
 
 
 class ManifestError(ValueError):
@@ -95,6 +100,16 @@ class Checkpoint:
     num_heads: int
     license: str
     sources: tuple[Source, ...]
+    # The Hub card's `license_link` (with license `other`), where the license is not a standard Hub one.
+    license_link: str | None = None
+    # Config fields of this checkpoint alone (e.g. E1's num_kv_heads); the family's shared ones are in
+    # `Family.config`, `Family.checkpoint_config` merges both.
+    config: Mapping[str, ConfigValue] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """(num_layers, hidden_size, num_heads): what seeded weights and shape checks are built at."""
+        return self.num_layers, self.hidden_size, self.num_heads
 
     def source(self, kind: str) -> Source:
         for source in self.sources:
@@ -128,6 +143,8 @@ class Family:
     bf16: str | None
     checkpoints: tuple[Checkpoint, ...]
     path: Path = field(compare=False)
+    # `[config]`: scalar config fields shared by every checkpoint (beyond the dims every family has).
+    config: Mapping[str, ConfigValue] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     def checkpoint(self, checkpoint_id: str) -> Checkpoint:
         for checkpoint in self.checkpoints:
@@ -139,6 +156,10 @@ class Family:
     @property
     def representative_checkpoint(self) -> Checkpoint:
         return self.checkpoint(self.representative)
+
+    def checkpoint_config(self, checkpoint_id: str) -> dict[str, ConfigValue]:
+        """The family's `[config]` fields with the checkpoint's own `config` fields (the two never share a key)."""
+        return {**self.config, **self.checkpoint(checkpoint_id).config}
 
 
 def _label(path: Path) -> str:
@@ -231,6 +252,26 @@ class _Table:
         return value
 
 
+def _read_config(file: str, where: str, raw: object) -> dict[str, ConfigValue]:
+    """A non-empty table of config field name -> scalar (string, integer, float or boolean)."""
+    if not isinstance(raw, dict):
+        raise ManifestError(file, where, f"expected a table of config fields, got {type(raw).__name__}")
+    if not raw:
+        raise ManifestError(file, where, "must not be empty: leave the table out instead")
+    fields: dict[str, ConfigValue] = {}
+    for key, value in raw.items():
+        if not _FIELD.fullmatch(key):
+            raise ManifestError(file, _join(where, key), "not a config field name: lowercase letters, digits and '_'")
+        if not isinstance(value, str | int | float | bool):
+            raise ManifestError(
+                file, _join(where, key), f"expected a string, number or boolean, got {type(value).__name__}"
+            )
+        if isinstance(value, str) and not value.strip():
+            raise ManifestError(file, _join(where, key), "must not be empty")
+        fields[key] = value
+    return fields
+
+
 def _read_source(file: str, where: str, raw: object) -> Source:
     if not isinstance(raw, dict):
         raise ManifestError(file, where, f"expected a table, got {type(raw).__name__}")
@@ -270,9 +311,15 @@ def _read_source(file: str, where: str, raw: object) -> Source:
     return Source(kind, repo, revision, name, url, MappingProxyType(files), license_name)
 
 
-def _read_checkpoint(file: str, where: str, raw: object) -> Checkpoint:
+def _read_checkpoint(
+    file: str, where: str, raw: object, family_config: Mapping[str, ConfigValue] = MappingProxyType({})
+) -> Checkpoint:
     table = _Table(
-        file, where, raw, {"id", "published", "num_layers", "hidden_size", "num_heads", "license", "sources"}
+        file,
+        where,
+        raw,
+        {"id", "published", "num_layers", "hidden_size", "num_heads", "license", "sources"},
+        {"license_link", "config"},
     )
     checkpoint_id = table.string("id", _ID, "a checkpoint id: lowercase letters, digits and '_'")
     published = table.string("published", _PUBLISHED, "a Hub repo name: letters, digits, '.', '_', '-'")
@@ -288,6 +335,22 @@ def _read_checkpoint(file: str, where: str, raw: object) -> Checkpoint:
         if kind in kinds[:i]:
             # Checkpoint.source(kind) must be unambiguous.
             raise ManifestError(file, f"{where}.sources[{i}].kind", f"a second {kind!r} source")
+    license_link = table.opt_string("license_link")
+    if license_link is not None and not license_link.startswith("https://"):
+        table.fail("license_link", f"{license_link!r} must be an https:// URL")
+    config: dict[str, ConfigValue] = {}
+    if "config" in table.raw:
+        config_where = _join(where, "config")
+        config = _read_config(file, config_where, table.raw["config"])
+        for key in config:
+            if key in _CHECKPOINT_DIMS:
+                raise ManifestError(
+                    file, _join(config_where, key), f"set {key} on the checkpoint itself, not in config"
+                )
+            if key in family_config:
+                raise ManifestError(
+                    file, _join(config_where, key), "already set in [config]; a field is set in one place only"
+                )
     return Checkpoint(
         id=checkpoint_id,
         published=published,
@@ -296,6 +359,8 @@ def _read_checkpoint(file: str, where: str, raw: object) -> Checkpoint:
         num_heads=num_heads,
         license=table.string("license"),
         sources=sources,
+        license_link=license_link,
+        config=MappingProxyType(config),
     )
 
 
@@ -338,7 +403,9 @@ def load_manifest(path: str | Path, *, resolve: bool = True) -> Family:
     except tomllib.TOMLDecodeError as error:
         raise ManifestError(file, "<toml>", f"invalid TOML: {error}") from error
 
-    root = _Table(file, "", data, {"family", "upstream", "auto_classes", "attention", "dtypes", "checkpoints"})
+    root = _Table(
+        file, "", data, {"family", "upstream", "auto_classes", "attention", "dtypes", "checkpoints"}, {"config"}
+    )
     fam = root.table(
         "family",
         {"id", "name", "description", "architecture", "tokenizer", "transform", "representative", "citation"},
@@ -375,8 +442,10 @@ def load_manifest(path: str | Path, *, resolve: bool = True) -> Family:
     if "bfloat16" not in dtypes and bf16 is not None:
         dt.fail("bf16", "set, but 'bfloat16' is not in dtypes.allowed")
 
+    family_config = _read_config(file, "config", data["config"]) if "config" in data else {}
     checkpoints = tuple(
-        _read_checkpoint(file, f"checkpoints[{i}]", raw) for i, raw in enumerate(root.array_of_tables("checkpoints"))
+        _read_checkpoint(file, f"checkpoints[{i}]", raw, family_config)
+        for i, raw in enumerate(root.array_of_tables("checkpoints"))
     )
     owners: dict[str, str] = {}
     for i, checkpoint in enumerate(checkpoints):
@@ -403,6 +472,7 @@ def load_manifest(path: str | Path, *, resolve: bool = True) -> Family:
         bf16=bf16,
         checkpoints=checkpoints,
         path=path,
+        config=MappingProxyType(family_config),
     )
     if resolve:
         resolve_auto_classes(family)

@@ -1,7 +1,10 @@
 """Verify a built artifact: every file against its provenance, then a real load in a fresh process.
 
 The load runs with HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1 and the fastplms package made
-unimportable, through every AutoClass in the config's auto_map, exactly as a user would load it.
+unimportable, through every AutoClass in the config's auto_map, exactly as a user would load it. What
+the models are fed comes from the family's adapter: this process writes its example inputs to a
+safetensors file that the fresh process reads, and, when the family ships a tokenizer, the fresh
+process also loads it with AutoTokenizer and encodes the adapter's sequences.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..families import adapter_for
+from ..manifest import load_all
 from .build import PROVENANCE, sha256_file
 
-# Runs in the fresh process. A meta-path finder refuses `fastplms`, so the artifact can only work
-# through its own copied runtime modules.
+# Runs in the fresh process: argv = artifact, example-inputs file, JSON list of sequences for the
+# tokenizer (empty: the family has none). A meta-path finder refuses `fastplms`, so the artifact can
+# only work through its own copied runtime modules.
 LOAD_SCRIPT = r"""
 import importlib.abc, json, sys
 
@@ -35,14 +41,23 @@ except ImportError:
 
 import torch
 import transformers
+from safetensors.torch import load_file
 
-artifact = sys.argv[1]
+artifact, inputs_file, sequences = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+inputs = load_file(inputs_file)
 report = {"auto_classes": {}}
 config = transformers.AutoConfig.from_pretrained(artifact, trust_remote_code=True)
 report["config_class"] = type(config).__module__ + "." + type(config).__name__
-tok = transformers.AutoTokenizer.from_pretrained(artifact, trust_remote_code=True)
-batch = tok(["MKTAYIAKQRQISFVKSHFSRQ", "MLV"], padding=True, return_tensors="pt")
-report["tokenizer"] = type(tok).__name__
+if sequences:
+    tok = transformers.AutoTokenizer.from_pretrained(artifact, trust_remote_code=True)
+    batch = tok(sequences, padding=True, return_tensors="pt")
+    shared = sorted(set(batch) & set(inputs))
+    report["tokenizer"] = {
+        "class": type(tok).__name__,
+        "module": type(tok).__module__,
+        "compared": shared,
+        "matches_inputs": bool(shared) and all(torch.equal(batch[k], inputs[k]) for k in shared),
+    }
 for name in sorted(config.auto_map):
     if name in ("AutoConfig", "AutoTokenizer"):
         continue
@@ -51,7 +66,7 @@ for name in sorted(config.auto_map):
     if "fastplms" in sys.modules:
         raise SystemExit("fastplms was imported during loading")
     with torch.no_grad():
-        out = model(**batch)
+        out = model(**inputs)
     tensor = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
     report["auto_classes"][name] = {
         "class": type(model).__name__, "module": type(model).__module__,
@@ -81,7 +96,17 @@ def check_hashes(artifact: Path) -> list[str]:
 
 def load_in_fresh_process(artifact: Path, timeout: float = 900) -> dict:
     """Load the artifact through every AutoClass in a fresh offline process without fastplms."""
+    from safetensors.torch import save_file
+
+    record = json.loads((artifact / PROVENANCE).read_text())
+    families = load_all(resolve=False)
+    if record.get("family") not in families:
+        raise RuntimeError(f"{artifact}: provenance names family {record.get('family')!r}, which has no manifest")
+    adapter = adapter_for(families[record["family"]])
+    sequences = list(adapter.tokenizer.check) if adapter.tokenizer is not None else []
     with tempfile.TemporaryDirectory() as modules:
+        inputs_file = Path(modules) / "inputs.safetensors"
+        save_file({k: v.contiguous() for k, v in adapter.example_inputs(artifact).items()}, str(inputs_file))
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
@@ -90,7 +115,7 @@ def load_in_fresh_process(artifact: Path, timeout: float = 900) -> dict:
             "PYTHONPATH": "",
         }
         proc = subprocess.run(
-            [sys.executable, "-c", LOAD_SCRIPT, str(artifact.resolve())],
+            [sys.executable, "-c", LOAD_SCRIPT, str(artifact.resolve()), str(inputs_file), json.dumps(sequences)],
             env=env,
             cwd=modules,
             capture_output=True,
@@ -115,4 +140,10 @@ def verify(artifact: str | Path) -> tuple[list[str], dict | None]:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return [str(exc)], None
     problems += [f"{name}: non-finite output" for name, r in report["auto_classes"].items() if not r["finite"]]
+    tokenizer = report.get("tokenizer")
+    if tokenizer is not None and not tokenizer["matches_inputs"]:
+        problems.append(
+            f"AutoTokenizer ({tokenizer['class']}) encodes the check sequences differently from the source tree "
+            f"(compared: {', '.join(tokenizer['compared']) or 'no shared keys'})"
+        )
     return problems, report

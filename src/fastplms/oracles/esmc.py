@@ -1,8 +1,8 @@
-"""Seeded ESMC checkpoints in the official EvolutionaryScale layout, and the golden panel (not a runtime module).
+"""Seeded ESMC checkpoints in the official EvolutionaryScale layout, and the golden panel.
 
-What lives here, for parity tests of our ESMC implementation against the official ``esm.models.esmc.ESMC``:
+What lives here, for parity tests of our ESMC implementation against the official ``esm.models.esmc.ESMC``
+(the released models' dims are in ``manifests/esmc.toml``):
 
-- ``ESMC_DIMS``: (layers, d_model, heads) of the released models.
 - ``esmc_official_spec``: key -> shape of ``ESMC(...).state_dict()`` (the layout of
   ``data/weights/esmc_300m_2024_12_v0.pth``; the official loader reads it with a strict ``load_state_dict``).
 - ``esmc_official_state_dict``: seeded float32 tensors for that spec (``esmc_rule`` picks the scales).
@@ -45,7 +45,6 @@ else:  # loaded by file path (the oracle venv has no fastplms installed): load t
     seeded_tensor = _sw.seeded_tensor
 
 __all__ = [
-    "ESMC_DIMS",
     "ESMC_VOCAB",
     "ESMC_VOCAB_SIZE",
     "CLS_ID",
@@ -62,13 +61,6 @@ __all__ = [
     "esmc_rule",
     "esmc_tokenize",
 ]
-
-# name -> (n_layers, d_model, n_heads) of the released ESMC models (head dim 64 for all three).
-ESMC_DIMS: dict[str, tuple[int, int, int]] = {
-    "esmc_300m": (30, 960, 15),
-    "esmc_600m": (36, 1152, 18),
-    "esmc_6b": (80, 2560, 40),
-}
 
 # The ESMC sequence vocabulary in id order (33 tokens). The embedding table and the LM head have 64 rows;
 # ids 33..63 are never produced by the tokenizer.

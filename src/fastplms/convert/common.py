@@ -1,4 +1,4 @@
-"""Strict, pure state transforms from official checkpoint layouts to ours (not a runtime module).
+"""Strict, pure state transforms from official checkpoint layouts to ours: the shared machinery.
 
 A transform is a function `official state dict -> canonical state dict`. It must account for every
 key: a key it does not know, a canonical key that two official keys map to, or a canonical key no

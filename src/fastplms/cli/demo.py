@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .manifest import REPO_ROOT
+from ..manifest import REPO_ROOT, find_checkpoint
 
 DEMO_ARTIFACT = REPO_ROOT / "dist" / "hub" / "ESM2-8M-demo"
 EXAMPLE_FASTA = REPO_ROOT / "examples" / "proteins.fasta"
@@ -21,8 +21,8 @@ def demo_artifact(path: Path = DEMO_ARTIFACT) -> Path:
     """Build (once, and again after a runtime code change) the demo artifact from a seeded ESM2-8M snapshot."""
     import tempfile
 
-    from .build import PROVENANCE, RUNTIME_DIR, build
-    from .esm2_reference import ESM2_DIMS, write_hf_snapshot
+    from ..artifact.build import PROVENANCE, RUNTIME_DIR, build
+    from ..oracles.esm2 import write_hf_snapshot
 
     # Reused only while its runtime modules match this checkout's: after a code change the demo
     # must run the current code, not a stale copy built earlier.
@@ -32,7 +32,8 @@ def demo_artifact(path: Path = DEMO_ARTIFACT) -> Path:
     ):
         return path
     with tempfile.TemporaryDirectory() as tmp:
-        snapshot = write_hf_snapshot(Path(tmp) / "esm2_t6_8M_UR50D", *ESM2_DIMS["esm2_8m"], seed=0)
+        _family, checkpoint = find_checkpoint("esm2_8m")
+        snapshot = write_hf_snapshot(Path(tmp) / "esm2_t6_8M_UR50D", *checkpoint.dims, seed=0)
         return build("esm2_8m", snapshot, path, allow_unpinned=True)
 
 
@@ -44,7 +45,7 @@ def _plots(model_dir: str, database: Path, out: Path, note: str) -> list[Path]:
     import torch
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    from .embedding import read_embeddings
+    from ..embedding import read_embeddings
 
     result = read_embeddings(database)
     pooled = result.stack()
@@ -78,9 +79,9 @@ def _plots(model_dir: str, database: Path, out: Path, note: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import main as cli_main
+    from . import main as cli_main
 
-    parser = argparse.ArgumentParser(prog="python -m fastplms.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fastplms.cli.demo", description=__doc__)
     parser.add_argument("--model", default=None, help="artifact directory or Hub id (default: demo artifact)")
     parser.add_argument("--input", default=str(EXAMPLE_FASTA))
     parser.add_argument("--out", default=str(REPO_ROOT / "out" / "demo"))

@@ -1,4 +1,4 @@
-"""Seeded, framework-independent weight generator for parity checkpoints (not a runtime module).
+"""Seeded, framework-independent weight generator for parity checkpoints.
 
 The same (seed, key, shape, kind, std) always yields the same float32 bytes, on any machine, so our
 checkpoints and the oracle checkpoints (Transformers, fair-esm, EvolutionaryScale esm in another venv)

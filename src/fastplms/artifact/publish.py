@@ -1,4 +1,4 @@
-"""Upload a verified artifact folder to the Hugging Face Hub (not runtime).
+"""Upload a verified artifact folder to the Hugging Face Hub.
 
 Dry run by default: it lists exactly the files that would be uploaded with their hashes. Nothing is
 uploaded unless the folder verifies (hashes against provenance, and an offline fresh-process load).

@@ -1,4 +1,4 @@
-"""Build remote-code Hub artifacts from official snapshots, driven by the manifests (not runtime).
+"""Build remote-code Hub artifacts from official snapshots, driven by the manifests and the family adapters.
 
 An artifact is a folder Transformers loads with `trust_remote_code=True`: config.json with an
 `auto_map` for every advertised AutoClass, the runtime modules (exactly the closure of single-dot
@@ -17,26 +17,24 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from . import __version__
-from .manifest import REPO_ROOT, Checkpoint, Family, Source, find_checkpoint
+from .. import __version__
+from ..families import FamilyAdapter, adapter_for, entry_modules
+from ..manifest import REPO_ROOT, Family, find_checkpoint, load_all
+from .snapshot import BuildError, check_snapshot_tree
 
-RUNTIME_DIR = Path(__file__).resolve().parent
+# The runtime: the top-level modules of the package, which artifacts ship byte for byte.
+RUNTIME_DIR = Path(__file__).resolve().parents[1]
 # Packages a runtime module may import (besides the standard library and single-dot siblings):
 # what Transformers' remote-code loader can rely on, plus kernels, which flash.py imports lazily.
 RUNTIME_PACKAGES = frozenset({"torch", "transformers", "safetensors", "kernels"})
 SHARD_BYTES = 2 * 1024**3
 PROVENANCE = "provenance.json"
 DIST_DIR = REPO_ROOT / "dist" / "hub"
-
-
-class BuildError(ValueError):
-    pass
 
 
 # --------------------------------------------------------------------------- runtime bundle
@@ -86,189 +84,12 @@ def runtime_closure(entries: Iterable[str], directory: Path = RUNTIME_DIR) -> li
     return sorted(seen)
 
 
-# --------------------------------------------------------------------------- family adapters
-
-
-@dataclass(frozen=True)
-class FamilyBuild:
-    """What the builder needs to know about a family beyond its manifest."""
-
-    read_snapshot: Callable[[Path, Family, Checkpoint], tuple[Source, dict[str, Path], dict[str, torch.Tensor]]]
-    make_config: Callable[[Family, Checkpoint], object]
-    vocab: tuple[str, ...]
-    tokenizer_module: str
-    model_max_length: int
-
-
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return "sha256:" + digest.hexdigest()
-
-
-def _check_snapshot_tree(snapshot: Path) -> None:
-    if not snapshot.is_dir():
-        raise BuildError(f"snapshot {snapshot} is not a directory")
-    root = snapshot.resolve()
-    for path in sorted(snapshot.rglob("*")):
-        if path.is_symlink():
-            target = path.resolve()
-            if root not in target.parents and target != root:
-                raise BuildError(
-                    f"snapshot {snapshot}: {path.relative_to(snapshot)} is a symlink escaping the snapshot "
-                    f"(to {target}); download with --local-dir so files are real"
-                )
-
-
-def _require(snapshot: Path, names: Iterable[str], what: str) -> dict[str, Path]:
-    found = {name: snapshot / name for name in names}
-    missing = [name for name, path in found.items() if not path.is_file()]
-    if missing:
-        raise BuildError(f"snapshot {snapshot} ({what}) is missing: {', '.join(missing)}")
-    return found
-
-
-def _read_hub_weights(snapshot: Path, formats: Iterable[str]) -> tuple[dict[str, Path], dict[str, torch.Tensor]]:
-    """Weights of a Hub snapshot: a sharded index or a single file, in the first of `formats` present."""
-    from .conversion import load_weights
-
-    names = {
-        "safetensors": ("model.safetensors", "model.safetensors.index.json"),
-        "bin": ("pytorch_model.bin", "pytorch_model.bin.index.json"),
-    }
-    formats = tuple(formats)
-    state: dict[str, torch.Tensor] = {}
-    for fmt in formats:
-        single, index_name = names[fmt]
-        if (snapshot / index_name).is_file():
-            index = json.loads((snapshot / index_name).read_text())
-            shards = sorted(set(index["weight_map"].values()))
-            files = _require(snapshot, [index_name, *shards], "sharded weights")
-            for shard in shards:
-                state.update(load_weights(files[shard]))
-            return files, state
-        if (snapshot / single).is_file():
-            return {single: snapshot / single}, load_weights(snapshot / single)
-    wanted = " or ".join(names[fmt][0] for fmt in formats)
-    raise BuildError(f"snapshot {snapshot} has no {wanted} (single or sharded)")
-
-
-def _esm2_read_snapshot(snapshot: Path, family: Family, checkpoint: Checkpoint):
-    from .conversion import load_weights
-    from .convert_esm2 import from_fair_esm, from_transformers
-
-    fair = checkpoint.source("fair-esm")
-    if (snapshot / fair.file).is_file():
-        stem = Path(fair.file).stem
-        files = _require(snapshot, [fair.file, f"{stem}-contact-regression.pt"], "fair-esm layout")
-        state = load_weights(files[fair.file])
-        contact = load_weights(files[f"{stem}-contact-regression.pt"])
-        return fair, files, from_fair_esm(state, checkpoint.num_heads, contact)
-    source = checkpoint.source("transformers")
-    if not (snapshot / "config.json").is_file():
-        raise BuildError(
-            f"snapshot {snapshot} is neither a Transformers snapshot of {source.repo} (config.json) nor a "
-            f"fair-esm checkpoint ({fair.file})"
-        )
-    config = json.loads((snapshot / "config.json").read_text())
-    expected = {
-        "num_hidden_layers": checkpoint.num_layers,
-        "hidden_size": checkpoint.hidden_size,
-        "num_attention_heads": checkpoint.num_heads,
-        "vocab_size": 33,
-    }
-    wrong = [f"{k} is {config.get(k)!r}, expected {v}" for k, v in expected.items() if config.get(k) != v]
-    if wrong:
-        raise BuildError(f"snapshot config.json does not match {checkpoint.id}: {'; '.join(wrong)}")
-    files, state = _read_hub_weights(snapshot, ("safetensors", "bin"))
-    return source, {"config.json": snapshot / "config.json", **files}, from_transformers(state, checkpoint.num_heads)
-
-
-def _esm2_config(family: Family, checkpoint: Checkpoint):
-    from .configuration_esm2 import ESM2Config
-
-    return ESM2Config(
-        hidden_size=checkpoint.hidden_size,
-        num_hidden_layers=checkpoint.num_layers,
-        num_attention_heads=checkpoint.num_heads,
-        allowed_backends=list(family.backends),
-        allowed_dtypes=list(family.dtypes),
-        bf16_policy=family.bf16,
-        family=family.name,
-    )
-
-
-# Names Hub configs use for ESMC's dimensions: the Transformers port has used both spellings.
-_ESMC_CONFIG_DIMS = {
-    "num_layers": ("n_layers", "num_hidden_layers"),
-    "hidden_size": ("d_model", "hidden_size"),
-    "num_heads": ("n_heads", "num_attention_heads"),
-}
-
-
-def _esmc_read_snapshot(snapshot: Path, family: Family, checkpoint: Checkpoint):
-    """EvolutionaryScale `esm` layout (the .pth at the source's `file`) or a Biohub safetensors snapshot."""
-    from .conversion import load_weights
-    from .convert_esmc import dims, from_biohub, from_esm
-
-    esm = next((s for s in checkpoint.sources if s.kind == "esm"), None)
-    if esm is not None and (snapshot / esm.file).is_file():
-        files = {esm.file: snapshot / esm.file}
-        source, state = esm, from_esm(load_weights(files[esm.file]))
-    else:
-        biohub = next((s for s in checkpoint.sources if s.kind == "biohub"), None)
-        if biohub is None or not (snapshot / "config.json").is_file():
-            expected = [f"an esm snapshot of {esm.repo} ({esm.file})"] if esm is not None else []
-            if biohub is not None:
-                expected.append(f"a Biohub snapshot of {biohub.repo} (config.json + safetensors)")
-            raise BuildError(f"snapshot {snapshot} is not {' nor '.join(expected) or 'a known ESMC layout'}")
-        config = json.loads((snapshot / "config.json").read_text())
-        wrong = []
-        for attr, names in _ESMC_CONFIG_DIMS.items():
-            found = [(name, config[name]) for name in names if name in config]
-            want = getattr(checkpoint, attr)
-            wrong += [f"{name} is {value!r}, expected {want}" for name, value in found if value != want]
-        if config.get("vocab_size", 64) != 64:
-            wrong.append(f"vocab_size is {config['vocab_size']!r}, expected 64")
-        if wrong:
-            raise BuildError(f"snapshot config.json does not match {checkpoint.id}: {'; '.join(wrong)}")
-        files, raw = _read_hub_weights(snapshot, ("safetensors",))
-        files = {"config.json": snapshot / "config.json", **files}
-        source, state = biohub, from_biohub(raw)
-    layers, hidden = dims(state)
-    if (layers, hidden) != (checkpoint.num_layers, checkpoint.hidden_size):
-        raise BuildError(
-            f"snapshot weights have {layers} layers, hidden size {hidden}; {checkpoint.id} has "
-            f"{checkpoint.num_layers} layers, hidden size {checkpoint.hidden_size}"
-        )
-    return source, files, state
-
-
-def _esmc_config(family: Family, checkpoint: Checkpoint):
-    from .configuration_esmc import ESMCConfig
-
-    return ESMCConfig(
-        hidden_size=checkpoint.hidden_size,
-        num_hidden_layers=checkpoint.num_layers,
-        num_attention_heads=checkpoint.num_heads,
-        allowed_backends=list(family.backends),
-        allowed_dtypes=list(family.dtypes),
-        bf16_policy=family.bf16,
-        family=family.name,
-    )
-
-
-def _family_builds() -> dict[str, FamilyBuild]:
-    from .tokenization_esm import ESM2_VOCAB, ESMC_VOCAB
-
-    return {
-        "esm2": FamilyBuild(_esm2_read_snapshot, _esm2_config, ESM2_VOCAB, "tokenization_esm", 1026),
-        # ESMC has no position limit (rotary only); 2048 tokens is the nominal length its Biohub configs
-        # and hosted APIs use, and what the tokenizer truncates to when asked.
-        "esmc": FamilyBuild(_esmc_read_snapshot, _esmc_config, ESMC_VOCAB, "tokenization_esm", 2048),
-    }
 
 
 # --------------------------------------------------------------------------- writing
@@ -301,9 +122,15 @@ def _write_weights(state: Mapping[str, torch.Tensor], out: Path) -> list[str]:
     return [*names, "model.safetensors.index.json"]
 
 
-def _write_config(config, family: Family, out: Path) -> None:
+def _write_config(config, family: Family, adapter: FamilyAdapter, out: Path) -> None:
+    pretrained = family.auto_classes.get(adapter.pretrained_auto_class)
+    if pretrained is None:
+        raise BuildError(
+            f"{family.path.name}: the family's pretrained class {adapter.pretrained_auto_class} is not in its "
+            f"auto_classes ({', '.join(family.auto_classes)})"
+        )
     config.auto_map = dict(family.auto_classes)
-    config.architectures = [family.auto_classes["AutoModelForMaskedLM"].split(".")[1]]
+    config.architectures = [pretrained.split(".")[1]]
     data = config.to_dict()
     for key in ("_name_or_path", "transformers_version", "_attn_implementation_autoset"):
         data.pop(key, None)
@@ -337,14 +164,15 @@ def build(
     from .model_card import render_model_card
 
     family, checkpoint = find_checkpoint(model_id)
-    spec = _family_builds().get(family.id)
-    if spec is None:
-        raise BuildError(f"family {family.id!r} has no builder")
+    try:
+        adapter = adapter_for(family)
+    except ValueError as error:
+        raise BuildError(str(error)) from None
     snapshot = Path(snapshot)
     out = Path(out) if out is not None else DIST_DIR / checkpoint.published
     _prepare_out(out, force)
-    _check_snapshot_tree(snapshot)
-    source, inputs, state = spec.read_snapshot(snapshot, family, checkpoint)
+    check_snapshot_tree(snapshot)
+    source, inputs, state = adapter.read_snapshot(snapshot, family, checkpoint)
     input_hashes = {name: sha256_file(path) for name, path in sorted(inputs.items())}
     mismatched = {
         name: (pinned, input_hashes.get(name))
@@ -358,19 +186,20 @@ def build(
             "Pass --allow-unpinned to build from these weights anyway (they will be marked unofficial)."
         )
     pinned = not mismatched and bool(source.files)
-    config = spec.make_config(family, checkpoint)
-    entries = {target.split(".")[0] for target in family.auto_classes.values()} | {spec.tokenizer_module}
+    config = adapter.make_config(family, checkpoint)
 
     # Stage beside `out`: os.replace cannot move a folder across filesystems (e.g. out of a tmpfs /tmp).
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{checkpoint.published}-", dir=out.parent))
     try:
-        for module in runtime_closure(entries):
+        for module in runtime_closure(entry_modules(family, adapter)):
             shutil.copyfile(RUNTIME_DIR / f"{module}.py", staging / f"{module}.py")
-        _write_config(config, family, staging)
+        _write_config(config, family, adapter, staging)
         weight_files = _write_weights(state, staging)
-        tokenizer = importlib.import_module(f"{__package__}.{spec.tokenizer_module}")
-        tokenizer.tokenizer_files(staging, spec.vocab, spec.model_max_length)
+        if adapter.tokenizer is not None:
+            spec = adapter.tokenizer
+            tokenizer = importlib.import_module(f"fastplms.{spec.module}")
+            tokenizer.tokenizer_files(staging, spec.vocab, spec.model_max_length)
         shutil.copyfile(REPO_ROOT / "kernels.lock", staging / "kernels.lock")
         provenance = {
             "checkpoint": checkpoint.id,
@@ -410,8 +239,6 @@ def build(
 
 def build_all(snapshots: str | Path, out_root: str | Path | None = None, **kwargs) -> list[Path]:
     """Build every manifest checkpoint whose snapshot folder (named by id or published name) exists."""
-    from .manifest import load_all
-
     root = Path(snapshots)
     built = []
     for family in load_all(resolve=False).values():

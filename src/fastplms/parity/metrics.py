@@ -1,4 +1,4 @@
-"""Parity metrics shared by tests, reports and docs (not a runtime module).
+"""Parity metrics shared by tests, reports and docs.
 
 Every metric compares ``ours`` against ``ref`` over VALID positions only: tensors are ``(batch, seq, ...)``
 and ``valid`` is a ``(batch, seq)`` mask (``None`` = everything valid). Padding rows hold whatever a

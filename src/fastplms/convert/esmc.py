@@ -1,4 +1,4 @@
-"""ESMC state transforms: EvolutionaryScale `esm` and Biohub Transformer-Engine layouts -> ours (not runtime).
+"""ESMC state transforms: EvolutionaryScale `esm` and Biohub Transformer-Engine layouts -> ours.
 
 Transform id `esmc-v1`. Two official layouts hold the same tensors under different names:
 
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .configuration_esmc import swiglu_hidden_size
-from .conversion import DROP, ConversionError, rename_strict, rule_renamer
+from ..configuration_esmc import swiglu_hidden_size
+from .common import DROP, ConversionError, rename_strict, rule_renamer
 
 TRANSFORM_ID = "esmc-v1"
 VOCAB_ROWS = 64

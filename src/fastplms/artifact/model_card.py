@@ -1,11 +1,11 @@
-"""Model cards (README.md of an artifact), generated from the manifest and measured parity (not runtime)."""
+"""Model cards (README.md of an artifact), generated from the manifest and measured parity."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
 
-from .manifest import REPO_ROOT, Checkpoint, Family
+from ..manifest import REPO_ROOT, Checkpoint, Family
 
 PARITY_DIR = REPO_ROOT / "reports" / "parity"
 

@@ -1,4 +1,4 @@
-"""The `fastplms` command: build, verify and publish artifacts; embed datasets (not runtime)."""
+"""The `fastplms` command: build, verify and publish artifacts; embed datasets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from . import __version__
+from .. import __version__
 
 
 def _progress_bar(stream=None):
@@ -82,7 +82,7 @@ def _cmd_embed(args: argparse.Namespace) -> int:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from .build import build, build_all
+    from ..artifact.build import build, build_all
 
     if args.all:
         if not args.snapshots:
@@ -101,7 +101,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from ..artifact.verify import verify
 
     problems, report = verify(args.artifact)
     if report:
@@ -114,7 +114,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from .publish import publish
+    from ..artifact.publish import publish
 
     return publish(args.artifact, args.repo, yes=args.yes)
 
@@ -185,7 +185,3 @@ def main(argv: list[str] | None = None) -> int:
                 message = message.replace(keyword, flag)
         print(f"fastplms {args.command}: error: {message}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Seeded ESM2 checkpoints in the official layouts, for parity tests (not a runtime module).
+"""Seeded ESM2 checkpoints in the official layouts, and the fair-esm loader, for parity runs.
 
 Two layouts carry the *same* numbers:
 
@@ -9,7 +9,7 @@ Two layouts carry the *same* numbers:
 - fair-esm (``esm2_t*.pt`` + ``*-contact-regression.pt``): what
   ``esm.pretrained.load_model_and_alphabet_local`` reads through ``_load_model_and_alphabet_core_v2``.
 
-Every tensor is drawn by ``fastplms.seeded_weights`` under its Hugging Face key, then renamed for fair-esm,
+Every tensor is drawn by ``fastplms.oracles.seeded_weights`` under its Hugging Face key, then renamed for fair-esm,
 so for equal (dims, seed) both layouts hold bit-identical weights.
 
 Decoder tying: fair-esm's ``ESM2`` builds its LM head with ``weight=self.embed_tokens.weight`` (one shared
@@ -26,16 +26,16 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from transformers import EsmConfig
 
-from fastplms.seeded_weights import Rule, seeded_state_dict
+from .seeded_weights import Rule, seeded_state_dict
 
 __all__ = [
-    "ESM2_DIMS",
     "ESM2_VOCAB",
+    "Outputs",
     "esm2_rule",
     "fair_esm2_key",
     "fair_esm2_state_dict",
@@ -44,18 +44,11 @@ __all__ = [
     "hf_esm2_state_dict",
     "load_fair_esm_local",
     "rotary_inv_freq",
+    "run_fair_esm",
+    "run_transformers",
     "write_fair_esm_pt",
     "write_hf_snapshot",
 ]
-
-# name -> (layers, hidden, heads) of the released ESM2 models.
-ESM2_DIMS: dict[str, tuple[int, int, int]] = {
-    "esm2_8m": (6, 320, 20),
-    "esm2_35m": (12, 480, 20),
-    "esm2_150m": (30, 640, 20),
-    "esm2_650m": (33, 1280, 20),
-    "esm2_3b": (36, 2560, 40),
-}
 
 # The ESM-1b/ESM2 alphabet in id order (identical for fair-esm's Alphabet and the hub vocab.txt).
 ESM2_VOCAB: tuple[str, ...] = (
@@ -342,3 +335,33 @@ def load_fair_esm_local(path: str | Path) -> tuple[torch.nn.Module, Any]:
 
     with torch.serialization.safe_globals([argparse.Namespace]):
         return esm.pretrained.load_model_and_alphabet_local(str(path))
+
+
+class Outputs(NamedTuple):
+    """What parity compares: LM logits, every hidden state (embeddings first) and contact maps."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+    contacts: torch.Tensor
+
+
+@torch.inference_mode()
+def run_transformers(snapshot: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Outputs:
+    """Transformers' ``EsmForMaskedLM`` on a snapshot of the ``facebook/esm2_*`` layout, FP32."""
+    from transformers import EsmForMaskedLM
+
+    # Eager: the definition, and the only Transformers backend that returns attention maps for contacts.
+    model = EsmForMaskedLM.from_pretrained(snapshot, attn_implementation="eager", dtype=torch.float32).eval()
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    contacts = model.predict_contacts(input_ids, attention_mask)
+    return Outputs(out.logits, tuple(out.hidden_states), contacts)
+
+
+@torch.inference_mode()
+def run_fair_esm(checkpoint_pt: str | Path, input_ids: torch.Tensor, num_layers: int) -> Outputs:
+    """fair-esm's ``ESM2`` on a ``.pt`` checkpoint; padding comes from the ``<pad>`` id in ``input_ids``."""
+    model, _alphabet = load_fair_esm_local(checkpoint_pt)
+    model.eval()
+    out = model(input_ids, repr_layers=list(range(num_layers + 1)), return_contacts=True)
+    hidden = tuple(out["representations"][i] for i in range(num_layers + 1))
+    return Outputs(out["logits"], hidden, out["contacts"])

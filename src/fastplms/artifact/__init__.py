@@ -1,0 +1,1 @@
+"""Hub artifacts: build, verify, publish and model cards (source package; never shipped)."""

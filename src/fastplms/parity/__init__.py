@@ -1,0 +1,1 @@
+"""Parity against the official implementations: metrics and the generic driver (never shipped)."""
