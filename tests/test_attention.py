@@ -955,3 +955,27 @@ def test_sdpa_plan_on_cpu_runs_spans_without_a_mask_where_it_can():
 
 def test_flex_packed_lengths_are_power_of_two_buckets():
     assert [A.flex_length(n) for n in (1, 127, 128, 129, 300, 4096, 4097)] == [128, 128, 128, 256, 512, 4096, 8192]
+
+
+@UNCOMPILED_FLEX
+@pytest.mark.usefixtures("uncompiled_flex")
+def test_attend_makes_no_host_synchronisation(monkeypatch):
+    """Everything that needs the host (indices, spans, segments, masks) is in the plan; a layer's call to
+    `attend` reads no tensor value on the host, so it never waits for a device."""
+    ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 2, 2]])
+    q, k, v = _qkv(2, 4, 2, 6)
+    for backend in ("eager", "sdpa"):
+        for semantics in SEMANTICS:
+            plan = A.attention_plan(backend, A.mask_state(sequence_ids=ids, semantics=semantics))
+            packed = [A.unpad(t.transpose(1, 2), plan.q_index) for t in (q, k, v)]
+            with monkeypatch.context() as patch:
+                for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero"):
+                    patch.setattr(torch.Tensor, name, _forbidden(name))
+                A.attend(*packed, plan)
+
+
+def _forbidden(name):
+    def call(*args, **kwargs):
+        raise AssertionError(f"attend called Tensor.{name}: a host synchronisation per layer")
+
+    return call

@@ -412,7 +412,8 @@ def attention_plan(
     q_index = valid.flatten().nonzero().flatten()
     kv_index = q_index if state.kv_valid is None else kv_valid.flatten().nonzero().flatten()
     sees_nothing = None
-    if state.kv_valid is not None and state.semantics in ("sequence", "causal"):
+    # With one mask for both sides every valid query sees itself; with separate keys it may see none.
+    if state.kv_valid is not None and state.semantics != "padding":
         blind = ~_dense_from_state(state).any(-1)[:, 0].flatten().index_select(0, q_index)
         sees_nothing = blind if bool(blind.any()) else None
     if backend == "eager":

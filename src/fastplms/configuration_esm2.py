@@ -32,8 +32,7 @@ class ESM2Config(PretrainedConfig):
         cls_token_id: int = 0,
         eos_token_id: int = 2,
         classifier_dropout: float = 0.0,
-        allowed_backends: tuple[str, ...]
-        | list[str] = ATTENTION_BACKENDS,  # built from a manifest: its list
+        allowed_backends: tuple[str, ...] | list[str] = ATTENTION_BACKENDS,  # built from a manifest: its list
         allowed_dtypes: tuple[str, ...] | list[str] = ("float32", "bfloat16"),
         bf16_policy: str = "autocast",
         family: str = "ESM2",

@@ -39,8 +39,7 @@ class ESMCConfig(PretrainedConfig):
         eos_token_id: int = 2,
         chain_break_token_id: int = 31,
         classifier_dropout: float = 0.0,
-        allowed_backends: tuple[str, ...]
-        | list[str] = ATTENTION_BACKENDS,  # built from a manifest: its list
+        allowed_backends: tuple[str, ...] | list[str] = ATTENTION_BACKENDS,  # built from a manifest: its list
         allowed_dtypes: tuple[str, ...] | list[str] = ("float32", "bfloat16"),
         bf16_policy: str = "autocast",
         family: str = "ESM++",
