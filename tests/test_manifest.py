@@ -452,6 +452,114 @@ def test_load_all_missing_directory(tmp_path: Path) -> None:
         load_all(tmp_path / "absent")
 
 
+# ---------------------------------------------------------------------------- config tables, profluent, license_link
+
+E1 = MANIFEST_DIR / "e1.toml"
+
+
+def test_e1_manifest_config_tables() -> None:
+    family = load_manifest(E1, resolve=False)
+    assert family.config["rope_theta_global"] == 500000.0 and family.config["gated_mlp"] is True
+    assert family.config["hidden_act"] == "silu" and family.config["vocab_size"] == 34
+    ckpt = family.checkpoint("e1_300m")
+    assert dict(ckpt.config) == {"num_kv_heads": 16, "intermediate_size": 3072}
+    merged = family.checkpoint_config("e1_300m")
+    assert merged["num_kv_heads"] == 16 and merged["clip_qkv"] == 8.0 and "num_layers" not in merged
+    assert ckpt.license_link == "https://github.com/Profluent-AI/E1/blob/main/LICENSE"
+    source = ckpt.source("profluent")
+    assert (source.repo, source.revision) == ("Profluent-Bio/E1-300m", None)
+    # Families without the new keys are unchanged.
+    esm2 = load_manifest(ESM2, resolve=False)
+    assert dict(esm2.config) == {} and all(c.license_link is None and not c.config for c in esm2.checkpoints)
+
+
+def write_e1_variant(tmp_path: Path, old: str, new: str) -> Path:
+    text = E1.read_text(encoding="utf-8")
+    assert old in text, f"test premise gone: {old!r} not in e1.toml"
+    path = tmp_path / "e1.toml"
+    path.write_text(text.replace(old, new, 1), encoding="utf-8")
+    return path
+
+
+E1_KV = "config = { num_kv_heads = 12, intermediate_size = 2304 }"
+E1_BROKEN = {
+    "config-not-a-table": ("[config]\n", "[[config]]\n", "config", "expected a table"),
+    "config-array-value": ("vocab_size = 34\n", "vocab_size = [34]\n", "config.vocab_size", "string, number"),
+    "config-table-value": ("vocab_size = 34\n", "vocab_size = { a = 1 }\n", "config.vocab_size", "string, number"),
+    "config-bad-name": ("vocab_size = 34\n", "VocabSize = 34\n", "config.VocabSize", "config field name"),
+    "config-empty-string": ('hidden_act = "silu"', 'hidden_act = " "', "config.hidden_act", "empty"),
+    "checkpoint-config-empty": (E1_KV, "config = {}", "checkpoints[0].config", "must not be empty"),
+    "checkpoint-config-not-table": (E1_KV, "config = 12", "checkpoints[0].config", "expected a table"),
+    "checkpoint-config-restates-family": (
+        E1_KV,
+        "config = { num_kv_heads = 12, intermediate_size = 2304, clip_qkv = 4.0 }",
+        "checkpoints[0].config.clip_qkv",
+        "already set in [config]",
+    ),
+    "checkpoint-config-restates-dims": (
+        E1_KV,
+        "config = { num_kv_heads = 12, intermediate_size = 2304, num_layers = 20 }",
+        "checkpoints[0].config.num_layers",
+        "on the checkpoint itself",
+    ),
+    "checkpoint-config-bad-value": (
+        E1_KV,
+        "config = { num_kv_heads = [12], intermediate_size = 2304 }",
+        "checkpoints[0].config.num_kv_heads",
+        "string, number",
+    ),
+    "license-link-not-https": (
+        'license_link = "https://github.com/Profluent-AI/E1/blob/main/LICENSE"',
+        'license_link = "http://example.org/LICENSE"',
+        "checkpoints[0].license_link",
+        "https://",
+    ),
+    "license-link-not-string": (
+        'license_link = "https://github.com/Profluent-AI/E1/blob/main/LICENSE"',
+        "license_link = 1",
+        "checkpoints[0].license_link",
+        "expected a string",
+    ),
+    "profluent-missing-repo": (
+        'kind = "profluent"\nrepo = "Profluent-Bio/E1-150m"\n',
+        'kind = "profluent"\n',
+        "checkpoints[0].sources[0].repo",
+        "missing required key",
+    ),
+    "profluent-bad-revision": (
+        'repo = "Profluent-Bio/E1-150m"\n',
+        'repo = "Profluent-Bio/E1-150m"\nrevision = "main"\n',
+        "checkpoints[0].sources[0].revision",
+        "40-character",
+    ),
+    "profluent-unknown-key": (
+        'repo = "Profluent-Bio/E1-150m"\n',
+        'repo = "Profluent-Bio/E1-150m"\nfile = "model.safetensors"\n',
+        "checkpoints[0].sources[0].file",
+        "unknown key",
+    ),
+    "checkpoint-unknown-key-still-fails": (
+        E1_KV,
+        E1_KV + "\nnum_kv_heads = 12",
+        "checkpoints[0].num_kv_heads",
+        "unknown key",
+    ),
+}
+
+
+@pytest.mark.parametrize(("old", "new", "key", "fragment"), E1_BROKEN.values(), ids=E1_BROKEN.keys())
+def test_broken_e1_manifest_is_rejected(tmp_path: Path, old: str, new: str, key: str, fragment: str) -> None:
+    assert_rejected(write_e1_variant(tmp_path, old, new), key, fragment)
+
+
+def test_profluent_revision_when_pinned(tmp_path: Path) -> None:
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    path = write_e1_variant(
+        tmp_path, 'repo = "Profluent-Bio/E1-150m"\n', f'repo = "Profluent-Bio/E1-150m"\nrevision = "{rev}"\n'
+    )
+    assert load_manifest(path, resolve=False).checkpoint("e1_150m").source("profluent").revision == rev
+
+
 def test_config_table_is_optional_and_unknown_top_level_keys_still_fail(tmp_path: Path) -> None:
     assert_rejected(write_variant(tmp_path, "[attention]", "[configs]\nx = 1\n\n[attention]"), "configs", "unknown key")
     assert_rejected(write_variant(tmp_path, "[attention]", "[config]\n\n[attention]"), "config", "must not be empty")

@@ -3,6 +3,7 @@
     python -m tools.measure_parity esm2 [--checkpoints esm2_8m,esm2_35m,esm2_150m]
         [--large-forward esm2_650m] [--out reports/parity/esm2.json]
     python -m tools.measure_parity esmc [--checkpoints esmc_300m,esmc_600m] [--out reports/parity/esmc.json]
+    python -m tools.measure_parity e1 [--checkpoints e1_150m,e1_300m] [--out reports/parity/e1.json]
 
 What a family measures is its adapter's (`fastplms.families.<architecture>_parity.measure_report`):
 
@@ -14,6 +15,10 @@ without a full forward run gets the conversion shape check at real dims.
 ESMC, per listed checkpoint (default: every one with committed oracle goldens): FP32 and BF16 autocast on
 every CPU backend, with the default padding mask and with explicit `sequence_id`, against the official
 `esm` FP32 goldens. Every manifest checkpoint gets the conversion shape check (both official layouts).
+
+E1, per listed checkpoint (default: every one with committed oracle goldens): FP32 and BF16 autocast on every
+CPU backend against the official Profluent E1 FP32 goldens, at valid tokens and at padding. Every manifest
+checkpoint gets the conversion shape check.
 
 `python -m tools.gen_docs` turns the report into docs/support.md.
 """

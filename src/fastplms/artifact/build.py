@@ -220,7 +220,7 @@ def build(
             "builder": f"fastplms {__version__}",
             "weights": weight_files,
         }
-        (staging / "README.md").write_text(render_model_card(family, checkpoint, provenance))
+        (staging / "README.md").write_text(render_model_card(family, checkpoint, provenance, adapter.usage))
         provenance["files"] = _output_hashes(staging)
         (staging / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
         # mkdtemp and safetensors create private files; an artifact is meant to be shared.

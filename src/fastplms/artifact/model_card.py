@@ -66,7 +66,8 @@ def _license_metadata(name: str) -> str:
     return f"license: other\nlicense_name: {slug}"
 
 
-def render_model_card(family: Family, checkpoint: Checkpoint, provenance: Mapping[str, object]) -> str:
+def render_model_card(family: Family, checkpoint: Checkpoint, provenance: Mapping[str, object], usage: str) -> str:
+    """The artifact's README.md; `usage` is the family adapter's example (a Python snippet)."""
     source = provenance["source"]
     origin = source["repo"] or source["file"]
     official = provenance["official_weights"]
@@ -82,6 +83,9 @@ def render_model_card(family: Family, checkpoint: Checkpoint, provenance: Mappin
     # A source may publish the same weights under its own license (e.g. Biohub's MIT re-release of ESMC).
     license_name = source.get("license") or checkpoint.license
     license_meta = _license_metadata(license_name)
+    # The checkpoint's own license text lives at its link (Hub cards pair `license: other` with `license_link`).
+    if checkpoint.license_link and license_meta.startswith("license: other") and license_name == checkpoint.license:
+        license_meta += f"\nlicense_link: {checkpoint.license_link}"
     backends = ", ".join(f"`{b}`" for b in family.backends)
     autos = "\n".join(f"| `{name}` | `{target}` |" for name, target in family.auto_classes.items())
     return f"""---
@@ -102,16 +106,7 @@ License: {license_name}. Official implementation: `{family.upstream.repo}`.
 ## Use
 
 ```python
-from transformers import AutoModelForMaskedLM, AutoTokenizer
-
-model = AutoModelForMaskedLM.from_pretrained("<this repo>", trust_remote_code=True, attn_implementation="sdpa")
-tokenizer = AutoTokenizer.from_pretrained("<this repo>", trust_remote_code=True)
-batch = tokenizer(["MKTAYIAKQRQISFVKSHFSRQ"], return_tensors="pt")
-logits = model(**batch).logits
-model.set_attn_implementation("flex_attention")  # switch backends at runtime
-
-# embed a whole FASTA file (mean-pooled, special tokens excluded)
-result = model.embed_dataset("proteins.fasta", pooling=("mean",))
+{usage.strip()}
 ```
 
 ## Attention backends

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -45,6 +46,11 @@ def _cmd_embed(args: argparse.Namespace) -> int:
     model = AutoModel.from_pretrained(args.model, **kwargs).eval()
     if args.device:
         model.to(torch.device(args.device))
+    extra = {}
+    if args.context:
+        if "context" not in inspect.signature(model.embed_dataset).parameters:
+            raise SystemExit(f"--context: {model.config.family} models take no retrieval context")
+        extra["context"] = args.context
     bar = _progress_bar()
     start = time.perf_counter()
     result = model.embed_dataset(
@@ -61,6 +67,7 @@ def _cmd_embed(args: argparse.Namespace) -> int:
         too_long=args.too_long,
         dtype=args.dtype,
         progress=bar,
+        **extra,
     )
     seconds = time.perf_counter() - start
     if bar:
@@ -140,6 +147,11 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--overwrite", action="store_true", help="replace an existing output")
     embed.add_argument("--invalid", default="raise", choices=("raise", "skip"), help="bad characters / empty")
     embed.add_argument("--too-long", default="raise", choices=("raise", "skip", "truncate"))
+    embed.add_argument(
+        "--context",
+        default=None,
+        help="FASTA/A3M/.txt of retrieval context sequences placed before every record (models that take one)",
+    )
     embed.set_defaults(func=_cmd_embed)
 
     build = sub.add_parser("build", help="build a remote-code artifact from an official snapshot")

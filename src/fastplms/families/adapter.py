@@ -59,6 +59,22 @@ class FamilyAdapter:
     example_inputs: Callable[[Path], dict[str, torch.Tensor]]
     tokenizer: Tokenizer | None  # None: the family's models take no tokenizer (raw sequences)
     parity: Parity
+    usage: str  # the model card's "Use" example, a Python snippet with "<this repo>" as the model path
+
+
+# The "Use" example of a masked-LM family with an AutoTokenizer.
+TOKENIZED_MLM_USAGE = """\
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+model = AutoModelForMaskedLM.from_pretrained("<this repo>", trust_remote_code=True, attn_implementation="sdpa")
+tokenizer = AutoTokenizer.from_pretrained("<this repo>", trust_remote_code=True)
+batch = tokenizer(["MKTAYIAKQRQISFVKSHFSRQ"], return_tensors="pt")
+logits = model(**batch).logits
+model.set_attn_implementation("flex_attention")  # switch backends at runtime
+
+# embed a whole FASTA file (mean-pooled, special tokens excluded)
+result = model.embed_dataset("proteins.fasta", pooling=("mean",))
+"""
 
 
 def manifest_config(config_class: type, family: Family, checkpoint: Checkpoint, **fields) -> PretrainedConfig:

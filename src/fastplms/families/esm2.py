@@ -15,7 +15,7 @@ from ..convert.esm2 import from_fair_esm, from_transformers
 from ..manifest import Checkpoint, Family, Source
 from ..tokenization_esm import ESM2_VOCAB
 from . import esm2_parity
-from .adapter import FamilyAdapter, Parity, Tokenizer, manifest_config, tokenized_inputs
+from .adapter import TOKENIZED_MLM_USAGE, FamilyAdapter, Parity, Tokenizer, manifest_config, tokenized_inputs
 
 # Encoded by verify in the fresh process: a plain protein and a short one, so the batch is padded.
 VERIFY_SEQUENCES = ("MKTAYIAKQRQISFVKSHFSRQ", "MLV")
@@ -59,5 +59,6 @@ ADAPTER = FamilyAdapter(
     example_inputs=tokenized_inputs(VERIFY_SEQUENCES),
     # 1024 residues plus <cls> and <eos>: the length ESM2 was trained on (its position limit).
     tokenizer=Tokenizer("tokenization_esm", ESM2_VOCAB, 1026, VERIFY_SEQUENCES),
+    usage=TOKENIZED_MLM_USAGE,
     parity=Parity(esm2_parity.measure_report, esm2_parity.versions),
 )

@@ -14,7 +14,6 @@ import math
 import shutil
 import tempfile
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -46,6 +45,7 @@ from ..parity.driver import (
     hidden_states_record,
     logits_record,
     meta_state_shapes,
+    package_versions,
 )
 from ..parity.metrics import max_abs, relative_l2
 from ..tokenization_esm import ESM2_VOCAB
@@ -295,13 +295,7 @@ def check_esm2_conversion_shapes(checkpoint_id: str, manifests_dir: str | Path =
 
 
 def versions() -> dict[str, str]:
-    found = {}
-    for package in _PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "not installed"
-    return found
+    return package_versions(_PACKAGES)
 
 
 def measure_report(run: ParityRun) -> None:

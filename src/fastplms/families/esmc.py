@@ -15,7 +15,7 @@ from ..convert.esmc import VOCAB_ROWS, dims, from_biohub, from_esm
 from ..manifest import Checkpoint, Family, Source
 from ..tokenization_esm import ESMC_VOCAB
 from . import esmc_parity
-from .adapter import FamilyAdapter, Parity, Tokenizer, manifest_config, tokenized_inputs
+from .adapter import TOKENIZED_MLM_USAGE, FamilyAdapter, Parity, Tokenizer, manifest_config, tokenized_inputs
 
 # Encoded by verify in the fresh process: two chains joined by "|" and a short protein (padded batch).
 VERIFY_SEQUENCES = ("MKTAYIAKQR|QISFVKSHFSRQ", "MLV")
@@ -72,5 +72,6 @@ ADAPTER = FamilyAdapter(
     # ESMC has no position limit (rotary only); 2048 tokens is the nominal length its Biohub configs
     # and hosted APIs use, and what the tokenizer truncates to when asked.
     tokenizer=Tokenizer("tokenization_esm", ESMC_VOCAB, 2048, VERIFY_SEQUENCES),
+    usage=TOKENIZED_MLM_USAGE,
     parity=Parity(esmc_parity.measure_report, esmc_parity.versions),
 )

@@ -12,7 +12,6 @@ import gc
 import hashlib
 import json
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -31,9 +30,11 @@ from ..parity.driver import (
     cpu_backends,
     dims_record,
     dtype_names,
+    golden_checkpoints,
     hidden_states_record,
     logits_record,
     meta_state_shapes,
+    package_versions,
 )
 from ..parity.metrics import max_abs, relative_l2
 
@@ -253,12 +254,7 @@ def check_esmc_conversion_shapes(checkpoint_id: str, manifests_dir: str | Path =
 def versions() -> dict[str, str]:
     """The oracle ran in its own venv, so its version is the goldens'; the rest are this venv's."""
     found = {"esm (goldens)": _recipe(ESMC_GOLDENS)["versions"]["esm"]}
-    for package in _PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "not installed"
-    return found
+    return found | package_versions(_PACKAGES)
 
 
 def measure_report(run: ParityRun) -> None:
@@ -267,15 +263,7 @@ def measure_report(run: ParityRun) -> None:
     the conversion shape check (both official layouts)."""
     family = load_manifest(MANIFEST_DIR / "esmc.toml", resolve=False)
     known = [c.id for c in family.checkpoints]
-    golden = esmc_golden_models()
-    chosen = list(run.checkpoints) or [c for c in known if c in golden]
-    for checkpoint in chosen:
-        if checkpoint not in known:
-            raise SystemExit(f"unknown ESMC checkpoint {checkpoint!r}; known: {', '.join(known)}")
-        if checkpoint not in golden:
-            raise SystemExit(f"no oracle goldens for {checkpoint!r}; have: {', '.join(golden)}")
-    if run.large_forward:
-        raise SystemExit("--large-forward is for esm2 only")
+    chosen = golden_checkpoints(run, family, esmc_golden_models())
     backends = list(cpu_backends(family))
     dtypes = [d for d in ("float32", "bfloat16") if d in family.dtypes]
 

@@ -61,6 +61,34 @@ def check_backends(backends: Sequence[str], declared: Sequence[str], family_name
             raise ValueError(f"backend {backend!r} is not declared for {family_name}; declared: {', '.join(declared)}")
 
 
+def golden_checkpoints(run: ParityRun, family: Family, golden: Sequence[str]) -> list[str]:
+    """The checkpoints a goldens-based report measures: those asked for (default: every one with goldens),
+    each checked to exist and to have goldens; such a report has no `--large-forward`."""
+    known = [c.id for c in family.checkpoints]
+    chosen = list(run.checkpoints) or [c for c in known if c in golden]
+    for checkpoint in chosen:
+        if checkpoint not in known:
+            raise SystemExit(f"unknown {family.name} checkpoint {checkpoint!r}; known: {', '.join(known)}")
+        if checkpoint not in golden:
+            raise SystemExit(f"no oracle goldens for {checkpoint!r}; have: {', '.join(golden)}")
+    if run.large_forward:
+        raise SystemExit(f"--large-forward does not apply to {family.name}, whose forwards are measured on goldens")
+    return chosen
+
+
+def package_versions(packages: Iterable[str]) -> dict[str, str]:
+    """Installed version of each package ("not installed" where absent), for a report's `versions`."""
+    from importlib import metadata
+
+    found = {}
+    for package in packages:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
 def dims_record(checkpoint: Checkpoint) -> dict[str, int]:
     return dict(zip(("layers", "hidden", "heads"), checkpoint.dims, strict=True))
 
