@@ -30,10 +30,11 @@ import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from tools.goldens.check import check_against_committed  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("e1_150m", "e1_300m")
@@ -369,17 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest["models"] = {**json.loads(old_path.read_text())["models"], **manifest["models"]}
         old_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         return 0
-    committed = json.loads((args.out / MANIFEST).read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        manifest = generate(Path(tmp), models, args.oracle)
-    bad = 0
-    for name in models:
-        want, got = committed["models"][name]["sha256"], manifest["models"][name]["sha256"]
-        status = "identical" if want == got else "DIFFERENT"
-        bad += want != got
-        print(f"{name}: {status} (committed {want[:16]}, regenerated {got[:16]})")
-    print(f"total {manifest['wall_seconds_total']}s")
-    return 1 if bad else 0
+    return check_against_committed(args.out / MANIFEST, models, lambda folder: generate(folder, models, args.oracle))
 
 
 if __name__ == "__main__":

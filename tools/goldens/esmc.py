@@ -22,9 +22,10 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from tools.goldens.check import check_against_committed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_PATH = REPO_ROOT / "src" / "fastplms" / "oracles" / "esmc.py"
@@ -248,17 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 manifest["models"] = {**old.get("models", {}), **manifest["models"]}
         (args.out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         return 0
-    committed = json.loads((args.out / MANIFEST).read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        manifest = generate(Path(tmp), models)
-    bad = 0
-    for name in models:
-        want, got = committed["models"][name]["sha256"], manifest["models"][name]["sha256"]
-        status = "identical" if want == got else "DIFFERENT"
-        bad += want != got
-        print(f"{name}: {status} (committed {want[:16]}, regenerated {got[:16]})")
-    print(f"total {manifest['wall_seconds_total']}s")
-    return 1 if bad else 0
+    return check_against_committed(args.out / MANIFEST, models, lambda folder: generate(folder, models))
 
 
 if __name__ == "__main__":
