@@ -19,7 +19,7 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -335,6 +335,8 @@ def embed_dataset(
     progress: Progress | None = None,
     device: torch.device | str | None = None,
     plan: Callable[[int | None], None] | None = None,
+    group: Callable[[str, str], Hashable] | None = None,
+    group_digest: Callable[[str], bytes] | None = None,
 ) -> EmbeddingResult:
     """Embed every record of ``inputs`` with ``forward``; see the module docstring for inputs.
 
@@ -346,6 +348,12 @@ def embed_dataset(
 
     ``plan``, if given, is called once before any batch with the number of residues the job holds
     (None when the input can be read only once), so a caller can pick an execution strategy.
+
+    ``group(id, sequence)``, if given, keys each kept record (e.g. by its retrieval context): a
+    batch holds records of one key only, and ``forward`` is called as
+    ``forward(input_ids, attention_mask, key)``. ``group_digest(id)`` (bytes) of every kept record
+    is hashed in the first pass into the fingerprint's ``group_sha256``, so a resume is refused on
+    an output made with other groups; it is also the place to refuse a record early.
     """
     started = time.perf_counter()
     names = _check_pooling(pooling, encoder)
@@ -371,9 +379,12 @@ def embed_dataset(
     # progress, and hashes the input for the output fingerprint.
     open_stream, replayable = _source(inputs, replay=output is not None)
     report = _Report()
+    groups = hashlib.sha256()
     if replayable:
-        for _ in _prepare(open_stream(), rules, report):
-            pass
+        for item in _prepare(open_stream(), rules, report):
+            if group_digest is not None:
+                data = group_digest(item.id)
+                groups.update(len(data).to_bytes(8, "little") + data)
 
     settings = {
         "input_sha256": report.digest.hexdigest(),
@@ -384,6 +395,8 @@ def embed_dataset(
         "too_long": too_long,
         "invalid": invalid,
     }
+    if group_digest is not None:
+        settings["group_sha256"] = groups.hexdigest()
     merged = {**(fingerprint or {}), **settings} if replayable else None
     writer = None
     if output is not None:
@@ -399,45 +412,59 @@ def embed_dataset(
     start = len(encoder.prefix)
     n_special = len(encoder.prefix) + len(encoder.suffix)
 
+    def grouped(window: list[_Item]) -> Iterator[tuple[tuple[Hashable, ...], list[_Item]]]:
+        if group is None:
+            yield (), window
+            return
+        parts: dict[Hashable, list[_Item]] = {}  # keys in first-seen order
+        for item in window:
+            parts.setdefault(group(item.id, item.sequence), []).append(item)
+        for key, part in parts.items():
+            yield (key,), part
+
     def run(window: list[_Item]) -> None:
+        for key, part in grouped(window):
+            for batch in _batches(part, max_tokens_per_batch, n_special, batch_size):
+                run_batch(batch, key)
+
+    def run_batch(batch: list[_Item], key: tuple[Hashable, ...]) -> None:
         nonlocal dim, records_done, residues_done
-        for batch in _batches(window, max_tokens_per_batch, n_special, batch_size):
-            input_ids, attention_mask = _encode(batch, encoder)
-            with torch.inference_mode():
-                hidden = forward(input_ids.to(device), attention_mask.to(device))
-                if hidden.ndim != 3 or tuple(hidden.shape[:2]) != tuple(input_ids.shape):
-                    raise ValueError(
-                        f"forward returned shape {tuple(hidden.shape)} for input {tuple(input_ids.shape)};"
-                        " expected (batch, tokens, hidden)"
-                    )
-                hidden = hidden.float()
-                lengths = torch.tensor([len(item.sequence) for item in batch], device=hidden.device)
-                pooled = _pool(hidden, lengths, start, names) if names else None
-                states = hidden.cpu() if per_residue else None
-            # Copies made outside inference mode are ordinary tensors, which callers may modify
-            # in place; inference tensors would refuse that.
-            pooled = None if pooled is None else pooled.to("cpu", copy=True)
-            dim = hidden.shape[-1]
-            records = [
-                EmbeddingRecord(
-                    id=item.id,
-                    sequence=item.sequence,
-                    header=item.header,
-                    pooled=None if pooled is None else pooled[row],
-                    # clone: a view would keep the whole padded batch alive
-                    residues=None if states is None else states[row, start : start + len(item.sequence)].clone(),
-                    index=item.index,
+        input_ids, attention_mask = _encode(batch, encoder)
+        with torch.inference_mode():
+            hidden = forward(input_ids.to(device), attention_mask.to(device), *key)
+            if hidden.ndim != 3 or tuple(hidden.shape[:2]) != tuple(input_ids.shape):
+                raise ValueError(
+                    f"forward returned shape {tuple(hidden.shape)} for input {tuple(input_ids.shape)};"
+                    " expected (batch, tokens, hidden)"
                 )
-                for row, item in enumerate(batch)
-            ]
-            if writer is not None:
-                writer.add(records, dim, names)
-            else:
-                done.update((record.index, record) for record in records)
-            records_done += len(batch)
-            residues_done += sum(len(item.sequence) for item in batch)
-            if progress is not None:
-                progress(records_done, residues_done, total)
+            hidden = hidden.float()
+            lengths = torch.tensor([len(item.sequence) for item in batch], device=hidden.device)
+            pooled = _pool(hidden, lengths, start, names) if names else None
+            states = hidden.cpu() if per_residue else None
+        # Copies made outside inference mode are ordinary tensors, which callers may modify
+        # in place; inference tensors would refuse that.
+        pooled = None if pooled is None else pooled.to("cpu", copy=True)
+        dim = hidden.shape[-1]
+        records = [
+            EmbeddingRecord(
+                id=item.id,
+                sequence=item.sequence,
+                header=item.header,
+                pooled=None if pooled is None else pooled[row],
+                # clone: a view would keep the whole padded batch alive
+                residues=None if states is None else states[row, start : start + len(item.sequence)].clone(),
+                index=item.index,
+            )
+            for row, item in enumerate(batch)
+        ]
+        if writer is not None:
+            writer.add(records, dim, names)
+        else:
+            done.update((record.index, record) for record in records)
+        records_done += len(batch)
+        residues_done += sum(len(item.sequence) for item in batch)
+        if progress is not None:
+            progress(records_done, residues_done, total)
 
     main_report = _Report() if replayable else report
     if plan is not None:

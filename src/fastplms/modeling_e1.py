@@ -35,7 +35,7 @@ Retrieval context: `model.encode_context(sequences)` (or the kept `model.context
 encodes a context once, keeping every layer's keys and values; `model(**queries, context_cache=cache)` runs
 queries prepared without context after it (their sequence ids and global positions shifted to follow it). Every
 row's keys are the context's then its own, so the result is the single-shot forward over context + query
-(bit-exact on eager), for queries of several sequences too.
+(up to float64 rounding of the key reduction on eager; docs/e1.md), for queries of several sequences too.
 
 Precision: under autocast the embeddings are cast to the autocast dtype, as the official code does on CUDA
 (its CPU branch reads CUDA's autocast flag only and stays float32; here CPU and CUDA behave alike). Masked-LM
@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -81,6 +82,8 @@ E1_VOCAB: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<bos_glm>", "<eos_span>
 )
 RESIDUES = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SEQUENCE_START, SEQUENCE_END = "1", "2"
+DEFAULT_CONTEXT_TOKENS = 8192  # `sample_context`'s token budget
+CONTEXT_SUFFIXES = (".a3m", ".fasta")  # a context directory's file per record id, in lookup order
 
 
 class RMSNorm(nn.RMSNorm):
@@ -294,42 +297,66 @@ class E1PreTrainedModel(FastPLMPreTrainedModel):
     def clear_context_cache(self) -> None:
         self.__dict__.pop("_fastplms_context_caches", None)
 
-    def embed_dataset(self, inputs, *, context: Sequence[str] | None = None, **options):
-        """`FastPLMPreTrainedModel.embed_dataset`, optionally with one retrieval `context` for every record.
+    def embed_dataset(
+        self,
+        inputs,
+        *,
+        context=None,
+        context_tokens: int | None = DEFAULT_CONTEXT_TOKENS,
+        max_identity: float | None = None,
+        seed: int = 0,
+        missing_context: str = "raise",
+        **options,
+    ):
+        """`FastPLMPreTrainedModel.embed_dataset`, optionally with a retrieval `context` before each record.
 
-        `context`: a list of sequences, or a FASTA / A3M / .txt file of them (`read_context`). With a context,
-        each record runs as the query after the context (from a context cache encoded once,
-        under the job's dtype); poolers and per-residue outputs cover the query's residues only, and a resumed
-        output must have been written with the same context.
+        `context`: one shared context (a list of sequences, or a FASTA / A3M / .txt file of them, `read_context`),
+        or per-record contexts: a mapping {record id: list of sequences or such a file}, or a directory holding
+        `<id>.a3m` or `<id>.fasta` per record id. A record without an entry is an error naming it, unless
+        `missing_context="none"` (it then runs without context). Each record's context is reduced by
+        `sample_context(sequences, query, context_tokens=, max_identity=, seed=)` (defaults: at most 8192
+        context tokens, no identity filter, seed 0), then the record runs as the query after it, from a cache
+        encoded once per distinct context (records sharing one reuse it; an LRU of `context_cache_entries`
+        per job, under the job's dtype). Poolers and per-residue outputs cover the query's residues only; a
+        resumed output must have been written with the same contexts and sampling settings.
         """
         if context is None:
             return super().embed_dataset(inputs, **options)
-        context = read_context(context) if _is_file(context) else context
-        if isinstance(context, str) or not list(context):
-            raise ValueError("context must be a non-empty list of sequences or a file of them (not one string).")
-        context = list(context)
-        dtype = options.get("dtype", "float32")
-        device = next(self.parameters()).device
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            cache = self.encode_context(context)
-        digest = hashlib.sha256(",".join(context).encode()).hexdigest()[:16]
-        self.__dict__["_fastplms_embedding_context"] = (cache, digest)
+        if missing_context not in ("raise", "none"):
+            raise ValueError(f"missing_context={missing_context!r}; use 'raise' or 'none'")
+        if context_tokens is not None and (isinstance(context_tokens, bool) or int(context_tokens) < 1):
+            raise ValueError(f"context_tokens={context_tokens!r} must be a positive number of tokens or None")
+        if max_identity is not None and not 0.0 <= max_identity <= 1.0:
+            raise ValueError(f"max_identity={max_identity!r} must lie in [0, 1] or be None")
+        job = _ContextJob(
+            self,
+            _ContextSource(context, missing_context),
+            dict(context_tokens=context_tokens, max_identity=max_identity, seed=int(seed)),
+        )
+        self.__dict__["_fastplms_embedding_context"] = job
         try:
             return super().embed_dataset(inputs, **options)
         finally:
             self.__dict__.pop("_fastplms_embedding_context", None)
 
-    def embedding_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        context = self.__dict__.get("_fastplms_embedding_context")
-        cache = None if context is None else context[0]
+    def embedding_groups(self):
+        job = self.__dict__.get("_fastplms_embedding_context")
+        return None if job is None else (job.group, job.source.digest)
+
+    def embedding_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, key=()) -> torch.Tensor:
+        job = self.__dict__.get("_fastplms_embedding_context")
+        cache = job.cache(key) if job is not None and key else None
         return self.base_model(
             input_ids=input_ids, attention_mask=attention_mask, context_cache=cache
         ).last_hidden_state
 
     def model_fingerprint(self) -> dict[str, object]:
         fingerprint = super().model_fingerprint()
-        context = self.__dict__.get("_fastplms_embedding_context")
-        return fingerprint if context is None else {**fingerprint, "context_sha256": context[1]}
+        job = self.__dict__.get("_fastplms_embedding_context")
+        if job is None:
+            return fingerprint
+        # The per-record context digests go into the pipeline's `group_sha256`.
+        return {**fingerprint, "context": {**job.sampling, "missing_context": job.source.missing}}
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -412,6 +439,158 @@ def read_context(path: str | os.PathLike) -> list[str]:
     if not sequences:
         raise ValueError(f"{path}: no context sequences")
     return sequences
+
+
+def query_identity(query: str, homolog: str) -> float:
+    """Ungapped identity of `homolog` to `query`: residues equal at the same index (over the shorter
+    sequence), divided by the longer length. Sequences are compared as `read_context` returns them (gaps
+    removed), without alignment; identical sequences score 1, a sequence and a prefix of half its length 0.5.
+    """
+    longer = max(len(query), len(homolog))
+    return sum(a == b for a, b in zip(query, homolog, strict=False)) / longer if longer else 0.0
+
+
+def sample_context(
+    sequences: Sequence[str],
+    query: str,
+    *,
+    context_tokens: int | None = DEFAULT_CONTEXT_TOKENS,
+    max_identity: float | None = None,
+    max_sequences: int = 511,
+    seed: int = 0,
+) -> list[str]:
+    """The context sequences kept for `query`, in their given order; deterministic for a seed.
+
+    First, with `max_identity`, every sequence whose `query_identity` to the query exceeds it is dropped (an
+    A3M's first row is usually the query itself: 0.95 drops it and near-copies). If what remains fits the
+    budget (at most `context_tokens` tokens, a sequence taking its residues + 4 special tokens, and at most
+    `max_sequences` sequences; `context_tokens=None`: no token budget), all of it is kept. Otherwise the
+    candidates are visited in an order shuffled by `random.Random` seeded with a SHA-256 of the seed and the
+    candidates (never Python's salted `hash`), each taken if it still fits, until `max_sequences`; the kept
+    ones are returned in their original order. The same candidates and seed give the same sample, so
+    records sharing a context share its sample and its cache.
+    """
+    candidates = [s for s in sequences if max_identity is None or query_identity(query, s) <= max_identity]
+    budget = float("inf") if context_tokens is None else context_tokens
+    if len(candidates) <= max_sequences and sum(len(s) + 4 for s in candidates) <= budget:
+        return candidates
+    digest = hashlib.sha256(f"{seed}\0{','.join(candidates)}".encode()).digest()
+    order = list(range(len(candidates)))
+    random.Random(int.from_bytes(digest[:8], "little")).shuffle(order)
+    kept, used = [], 0
+    for index in order:
+        if len(kept) >= max_sequences:
+            break
+        tokens = len(candidates[index]) + 4
+        if used + tokens <= budget:
+            kept.append(index)
+            used += tokens
+    return [candidates[index] for index in sorted(kept)]
+
+
+def _sequences_digest(sequences: Sequence[str]) -> bytes:
+    return hashlib.sha256(",".join(sequences).encode()).digest()
+
+
+class _ContextSource:
+    """Where each record's context comes from: one shared context, a mapping, or a directory of files.
+
+    `sequences(id)` reads a record's context (None: none, under `missing="none"`); `digest(id)` names it
+    cheaply for the fingerprint (a file by the SHA-256 of its bytes, memoized per path).
+    """
+
+    def __init__(self, context: object, missing: str) -> None:
+        self.missing = missing
+        self.shared: list[str] | None = None
+        self.mapping: Mapping[str, object] | None = None
+        self.directory: str | None = None
+        self._file_digests: dict[str, bytes] = {}
+        if isinstance(context, Mapping):
+            self.mapping = context
+        elif isinstance(context, str | os.PathLike) and os.path.isdir(context):
+            self.directory = os.fspath(context)
+        else:
+            self.shared = self._check(context, "context")
+            self._shared_digest = _sequences_digest(self.shared)
+
+    @staticmethod
+    def _check(value: object, where: str) -> list[str]:
+        if _is_file(value):
+            return read_context(value)  # type: ignore[arg-type]
+        if isinstance(value, str) or not isinstance(value, Sequence) or not list(value):
+            raise ValueError(
+                f"{where} must be a non-empty list of sequences or a file of them (not one string), a mapping "
+                "{record id: sequences or file}, or a directory of <id>.a3m / <id>.fasta files."
+            )
+        return list(value)
+
+    def _entry(self, rid: str) -> object:
+        """The record's list or file path; None when it has none (an error unless `missing="none"`)."""
+        if self.mapping is not None:
+            entry = self.mapping.get(rid)
+        else:
+            if os.path.basename(rid) != rid or rid in ("", ".", ".."):
+                raise ValueError(f"record {rid!r}: its id cannot name a file in the context directory")
+            found = [p for p in (os.path.join(self.directory, rid + s) for s in CONTEXT_SUFFIXES) if os.path.isfile(p)]
+            if len(found) > 1:
+                raise ValueError(f"record {rid!r}: both {found[0]} and {found[1]} exist; keep one")
+            entry = found[0] if found else None
+        if entry is None and self.missing == "raise":
+            where = (
+                "in the context mapping"
+                if self.mapping is not None
+                else f"{rid}.a3m or {rid}.fasta in {self.directory}"
+            )
+            raise ValueError(f"record {rid!r} has no context ({where}); pass missing_context='none' to run it alone")
+        return entry
+
+    def sequences(self, rid: str) -> list[str] | None:
+        if self.shared is not None:
+            return self.shared
+        entry = self._entry(rid)
+        return None if entry is None else self._check(entry, f"context of record {rid!r}")
+
+    def digest(self, rid: str) -> bytes:
+        if self.shared is not None:
+            return self._shared_digest
+        entry = self._entry(rid)
+        if entry is None:
+            return b""
+        if _is_file(entry):
+            path = os.path.abspath(os.fspath(entry))  # type: ignore[arg-type]
+            if path not in self._file_digests:
+                digest = hashlib.sha256()
+                with open(path, "rb") as handle:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        digest.update(block)
+                self._file_digests[path] = digest.digest()
+            return self._file_digests[path]
+        return _sequences_digest(self._check(entry, f"context of record {rid!r}"))
+
+
+class _ContextJob:
+    """One `embed_dataset` run with contexts: groups records by their sampled context and keeps an LRU of
+    encoded contexts (`context_cache_entries`), filled lazily inside the job's forward (its dtype)."""
+
+    def __init__(self, model: E1PreTrainedModel, source: _ContextSource, sampling: dict) -> None:
+        self.model, self.source, self.sampling = model, source, sampling
+        self.max_sequences = model.config.max_num_sequences - 1
+        self.caches: OrderedDict = OrderedDict()
+
+    def group(self, rid: str, query: str) -> tuple[str, ...]:
+        sequences = self.source.sequences(rid)
+        if not sequences:
+            return ()
+        return tuple(sample_context(sequences, query, max_sequences=self.max_sequences, **self.sampling))
+
+    def cache(self, key: tuple[str, ...]) -> E1ContextCache:
+        if key in self.caches:
+            self.caches.move_to_end(key)
+            return self.caches[key]
+        cache = self.caches[key] = self.model.encode_context(key)
+        while len(self.caches) > self.model.context_cache_entries:
+            self.caches.popitem(last=False)
+        return cache
 
 
 def prepare_e1_inputs(
@@ -657,5 +836,7 @@ __all__ = [
     "E1PreTrainedModel",
     "default_positions",
     "prepare_e1_inputs",
+    "query_identity",
     "read_context",
+    "sample_context",
 ]

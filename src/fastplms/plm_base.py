@@ -358,6 +358,11 @@ class FastPLMPreTrainedModel(PreTrainedModel):
             self.__dict__["_fastplms_compiled"] = runner
         return runner
 
+    def embedding_groups(self):
+        """None, or the (group, group_digest) pair `embedding.embed_dataset` takes, for a family whose records
+        run in groups (E1's per-record retrieval contexts); `embedding_forward` then receives each batch's key."""
+        return None
+
     def model_fingerprint(self) -> dict[str, object]:
         """Identity of weights and settings, so a resumed embedding run is refused on a different model.
 
@@ -417,11 +422,13 @@ class FastPLMPreTrainedModel(PreTrainedModel):
                 warm = compiled.calls > 0
                 use_compiled = bool(compile) or warm or (residues is not None and residues >= COMPILE_MIN_RESIDUES)
 
-        def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        grouping = self.embedding_groups()
+
+        def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, *key) -> torch.Tensor:
             with autocast:
                 if use_compiled:
                     return compiled(input_ids, attention_mask).float()
-                return self.embedding_forward(input_ids, attention_mask).float()
+                return self.embedding_forward(input_ids, attention_mask, *key).float()
 
         fingerprint = {"dtype": dtype, "backend": self.attention_backend()}
         if output is not None:  # only an output can be resumed; in memory, the weights need no hash
@@ -447,6 +454,8 @@ class FastPLMPreTrainedModel(PreTrainedModel):
                 progress=progress,
                 device=device,
                 plan=plan,
+                group=None if grouping is None else grouping[0],
+                group_digest=None if grouping is None else grouping[1],
             )
         finally:
             self.train(was_training)

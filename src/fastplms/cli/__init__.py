@@ -50,7 +50,13 @@ def _cmd_embed(args: argparse.Namespace) -> int:
     if args.context:
         if "context" not in inspect.signature(model.embed_dataset).parameters:
             raise SystemExit(f"--context: {model.config.family} models take no retrieval context")
-        extra["context"] = args.context
+        extra.update(
+            context=args.context,
+            context_tokens=args.context_tokens or None,
+            max_identity=args.max_identity,
+            seed=args.context_seed,
+            missing_context=args.missing_context,
+        )
     bar = _progress_bar()
     start = time.perf_counter()
     result = model.embed_dataset(
@@ -150,7 +156,18 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument(
         "--context",
         default=None,
-        help="FASTA/A3M/.txt of retrieval context sequences placed before every record (models that take one)",
+        help="retrieval context (models that take one): a FASTA/A3M/.txt file shared by every record, "
+        "or a directory of <id>.a3m / <id>.fasta files, one per record id",
+    )
+    embed.add_argument(
+        "--context-tokens", type=int, default=8192, help="context token budget per record (0: none); default 8192"
+    )
+    embed.add_argument(
+        "--max-identity", type=float, default=None, help="drop context sequences more identical to the query"
+    )
+    embed.add_argument("--context-seed", type=int, default=0, help="seed of the context sampling")
+    embed.add_argument(
+        "--missing-context", default="raise", choices=("raise", "none"), help="a record without a context file"
     )
     embed.set_defaults(func=_cmd_embed)
 
@@ -183,6 +200,7 @@ _FLAG_HINTS = {
     "invalid='skip'": "--invalid skip",
     "too_long='truncate'": "--too-long truncate",
     "too_long='skip'": "--too-long skip",
+    "missing_context='none'": "--missing-context none",
 }
 
 
