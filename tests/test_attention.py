@@ -979,3 +979,12 @@ def _forbidden(name):
         raise AssertionError(f"attend called Tensor.{name}: a host synchronisation per layer")
 
     return call
+
+
+def test_eager_keeps_float64_in_the_softmax():
+    """A float64 oracle run is not rounded to float32 anywhere in eager attention."""
+    q, k, v = (t.double() for t in _qkv(1, 2, 2, 5, seed=12))
+    out, probs = A.attention(q, k, v, backend="eager", return_probs=True)
+    exact = torch.softmax((q @ k.transpose(-1, -2)) / 4.0, dim=-1)
+    assert probs.dtype == torch.float64 and torch.allclose(probs, exact, rtol=0, atol=1e-15)
+    assert torch.allclose(out, (exact @ v).transpose(1, 2), rtol=0, atol=1e-14)

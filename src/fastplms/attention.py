@@ -444,7 +444,8 @@ def eager_attention(q, k, v, mask: torch.Tensor, scale: float, bias=None, return
         scores = scores + bias
     # finfo.min instead of -inf keeps rows that see no key finite; they are zeroed below.
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    # At least float32 (float64 stays float64, so a float64 oracle run is not rounded to float32 here).
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
     probs = probs.masked_fill(~mask, 0.0)
     out = torch.matmul(probs, v)
     return (out, probs) if return_probs else out

@@ -35,7 +35,7 @@ Retrieval context: `model.encode_context(sequences)` (or the kept `model.context
 encodes a context once, keeping every layer's keys and values; `model(**queries, context_cache=cache)` runs
 queries prepared without context after it (their sequence ids and global positions shifted to follow it). Every
 row's keys are the context's then its own, so the result is the single-shot forward over context + query
-(up to float64 rounding of the key reduction on eager; docs/e1.md), for queries of several sequences too.
+(on eager up to BLAS rounding by matmul shape; docs/e1.md), for queries of several sequences too.
 
 Precision: under autocast the embeddings are cast to the autocast dtype, as the official code does on CUDA
 (its CPU branch reads CUDA's autocast flag only and stays float32; here CPU and CUDA behave alike). Masked-LM
