@@ -36,6 +36,7 @@ from fastplms.modeling_esmc import (
     ESMCForTokenClassification,
     ESMCModel,
 )
+from fastplms.oracles.esmc import biohub_state
 from fastplms.oracles.seeded_weights import seeded_state_dict
 from fastplms.tokenization_esm import ESMC_VOCAB, ESMTokenizer, write_vocab
 
@@ -98,36 +99,6 @@ def _rule(key: str, shape: tuple[int, ...]) -> tuple[str, float]:
 def official_state(n_layers: int = LAYERS, d: int = HIDDEN, seed: int = SEED) -> dict[str, torch.Tensor]:
     arrays = seeded_state_dict(official_spec(n_layers, d), seed=seed, rules=_rule)
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
-
-
-# Biohub re-release: fused Transformer-Engine module names under `esmc.`, head as `lm_head.{0,2,3}`.
-_BIOHUB_SUFFIX = {
-    "attn.layernorm_qkv.0.weight": "attn.layernorm_qkv.layer_norm_weight",
-    "attn.layernorm_qkv.0.bias": "attn.layernorm_qkv.layer_norm_bias",
-    "attn.layernorm_qkv.1.weight": "attn.layernorm_qkv.weight",
-    "ffn.0.weight": "ffn.layer_norm_weight",
-    "ffn.0.bias": "ffn.layer_norm_bias",
-    "ffn.1.weight": "ffn.fc1_weight",
-    "ffn.3.weight": "ffn.fc2_weight",
-}
-
-
-def biohub_key(key: str) -> str:
-    if key.startswith("sequence_head."):
-        return "lm_head." + key.removeprefix("sequence_head.")
-    if key.startswith("transformer.blocks."):
-        block, layer, rest = key.split(".", 3)[1:]
-        return f"esmc.transformer.{block}.{layer}.{_BIOHUB_SUFFIX.get(rest, rest)}"
-    return "esmc." + key
-
-
-def biohub_state(official: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {biohub_key(key): value for key, value in official.items()}
-    layers = {key.split(".")[3] for key in out if key.startswith("esmc.transformer.blocks.")}
-    for i in layers:  # Transformer-Engine metadata entries that hold no weights
-        for module in ("attn.layernorm_qkv", "ffn"):
-            out[f"esmc.transformer.blocks.{i}.{module}._extra_state"] = torch.zeros(0, dtype=torch.uint8)
-    return out
 
 
 # ------------------------------------------------------------------ a dense reference of the official forward

@@ -21,7 +21,14 @@ from ..configuration_esmc import ESMCConfig
 from ..convert.esmc import from_biohub, from_esm
 from ..manifest import MANIFEST_DIR, REPO_ROOT, Checkpoint, Family, load_manifest
 from ..modeling_esmc import ESMCForMaskedLM
-from ..oracles.esmc import MASK_ID, EsmcPanel, esmc_official_spec, esmc_official_state_dict, esmc_panel
+from ..oracles.esmc import (
+    MASK_ID,
+    EsmcPanel,
+    biohub_state,
+    esmc_official_spec,
+    esmc_official_state_dict,
+    esmc_panel,
+)
 from ..parity.driver import (
     ParityRun,
     check_backends,
@@ -209,25 +216,6 @@ def measure_esmc(
     return records
 
 
-def _biohub_key(key: str) -> str:
-    """Official `esm` key -> the Biohub re-release's name for the same tensor (Transformer-Engine modules)."""
-    suffixes = {
-        "attn.layernorm_qkv.0.weight": "attn.layernorm_qkv.layer_norm_weight",
-        "attn.layernorm_qkv.0.bias": "attn.layernorm_qkv.layer_norm_bias",
-        "attn.layernorm_qkv.1.weight": "attn.layernorm_qkv.weight",
-        "ffn.0.weight": "ffn.layer_norm_weight",
-        "ffn.0.bias": "ffn.layer_norm_bias",
-        "ffn.1.weight": "ffn.fc1_weight",
-        "ffn.3.weight": "ffn.fc2_weight",
-    }
-    if key.startswith("sequence_head."):
-        return "lm_head." + key.removeprefix("sequence_head.")
-    if key.startswith("transformer.blocks."):
-        _transformer, blocks, layer, rest = key.split(".", 3)
-        return f"esmc.transformer.{blocks}.{layer}.{suffixes.get(rest, rest)}"
-    return "esmc." + key
-
-
 def check_esmc_conversion_shapes(checkpoint_id: str, manifests_dir: str | Path = MANIFEST_DIR) -> dict[str, object]:
     """Convert both official ESMC layouts at real dims on the meta device; compare with ours (no weights).
 
@@ -238,13 +226,7 @@ def check_esmc_conversion_shapes(checkpoint_id: str, manifests_dir: str | Path =
     """
     _family, checkpoint = esmc_checkpoint(checkpoint_id, manifests_dir)
     esm_state = {key: torch.empty(shape, device="meta") for key, shape in esmc_official_spec(*checkpoint.dims).items()}
-    biohub_state = {_biohub_key(key): value for key, value in esm_state.items()}
-    for i in range(checkpoint.num_layers):
-        for module in ("attn.layernorm_qkv", "ffn"):
-            biohub_state[f"esmc.transformer.blocks.{i}.{module}._extra_state"] = torch.empty(
-                0, dtype=torch.uint8, device="meta"
-            )
-    converted_by = {"esm": from_esm(esm_state), "biohub": from_biohub(biohub_state)}
+    converted_by = {"esm": from_esm(esm_state), "biohub": from_biohub(biohub_state(esm_state))}
     return conversion_shapes_record(checkpoint, meta_state_shapes(ESMCForMaskedLM, _config(checkpoint)), converted_by)
 
 

@@ -45,6 +45,8 @@ else:  # loaded by file path (the oracle venv has no fastplms installed): load t
     seeded_tensor = _sw.seeded_tensor
 
 __all__ = [
+    "biohub_key",
+    "biohub_state",
     "ESMC_VOCAB",
     "ESMC_VOCAB_SIZE",
     "CLS_ID",
@@ -211,3 +213,38 @@ def esmc_panel() -> EsmcPanel:
         sequence_id[b, : len(ids)] = torch.from_numpy(chain.astype(np.int64))
     attention_mask = (input_ids != PAD_ID).to(torch.int64)
     return EsmcPanel(list(_PANEL_SEQUENCES), input_ids, attention_mask, sequence_id)
+
+
+# The Biohub re-release: the same tensors under Transformer-Engine module names below `esmc.`, the head as
+# `lm_head.{0,2,3}`, plus weightless `_extra_state` entries per fused module.
+_BIOHUB_SUFFIX = {
+    "attn.layernorm_qkv.0.weight": "attn.layernorm_qkv.layer_norm_weight",
+    "attn.layernorm_qkv.0.bias": "attn.layernorm_qkv.layer_norm_bias",
+    "attn.layernorm_qkv.1.weight": "attn.layernorm_qkv.weight",
+    "ffn.0.weight": "ffn.layer_norm_weight",
+    "ffn.0.bias": "ffn.layer_norm_bias",
+    "ffn.1.weight": "ffn.fc1_weight",
+    "ffn.3.weight": "ffn.fc2_weight",
+}
+
+
+def biohub_key(key: str) -> str:
+    """Official `esm` key -> the Biohub re-release's name for the same tensor."""
+    if key.startswith("sequence_head."):
+        return "lm_head." + key.removeprefix("sequence_head.")
+    if key.startswith("transformer.blocks."):
+        block, layer, rest = key.split(".", 3)[1:]
+        return f"esmc.transformer.{block}.{layer}.{_BIOHUB_SUFFIX.get(rest, rest)}"
+    return "esmc." + key
+
+
+def biohub_state(official: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An official `esm` state dict in the Biohub layout, `_extra_state` entries included (on the tensors'
+    device, so a meta-device spec stays on the meta device)."""
+    out = {biohub_key(key): value for key, value in official.items()}
+    device = next(iter(official.values())).device
+    layers = {key.split(".")[3] for key in out if key.startswith("esmc.transformer.blocks.")}
+    for i in layers:
+        for module in ("attn.layernorm_qkv", "ffn"):
+            out[f"esmc.transformer.blocks.{i}.{module}._extra_state"] = torch.zeros(0, dtype=torch.uint8, device=device)
+    return out
