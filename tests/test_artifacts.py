@@ -23,6 +23,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
+from fresh_process import NO_FASTPLMS, offline_env
 from safetensors.torch import load_file
 
 import fastplms
@@ -384,18 +385,10 @@ def test_cli_build(artifact, snapshot, tmp_path, capsys):
 # --------------------------------------------------------------------------- fresh-process load
 
 # Runs in a fresh offline interpreter with fastplms unimportable: the artifact must work by itself.
-FRESH_SCRIPT = r"""
-import importlib.abc, json, os, sys
+FRESH_SCRIPT = (
+    NO_FASTPLMS
+    + r"""import json, os, sys
 
-
-class _NoFastplms(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "fastplms" or name.startswith("fastplms."):
-            raise ImportError("fastplms is unimportable here")
-        return None
-
-
-sys.meta_path.insert(0, _NoFastplms())
 report = {}
 try:
     import fastplms  # noqa: F401
@@ -471,6 +464,7 @@ save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "te
 with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f)
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -481,17 +475,10 @@ def fresh_process(artifact, tmp_path_factory):
     (work / "out").mkdir()
     script = work / "load_artifact.py"
     script.write_text(FRESH_SCRIPT)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_MODULES_CACHE": str(work / "modules"),
-        "PYTHONPATH": "",
-    }
     with open(work / "stdout.txt", "w") as stdout, open(work / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, str(script), str(artifact), str(work / "out"), json.dumps(SEQUENCES)],
-            env=env,
+            env=offline_env(work / "modules"),
             cwd=work,
             stdin=subprocess.DEVNULL,
             stdout=stdout,

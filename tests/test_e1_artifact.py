@@ -9,13 +9,11 @@ and give exactly what the source-tree model built from the same snapshot gives.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fresh_process import run_fresh
 from safetensors.torch import load_file, save_file
 
 from fastplms import cli
@@ -31,16 +29,9 @@ pytestmark = pytest.mark.slow
 FAMILY = load_manifest(MANIFEST_DIR / "e1.toml", resolve=False)
 CHECKPOINT = FAMILY.checkpoint("e1_150m")
 
+# Runs in a fresh offline process after fastplms is made unimportable (`run_fresh`).
 FRESH = r"""
-import importlib.abc, sys
-
-class _NoFastplms(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "fastplms" or name.startswith("fastplms."):
-            raise ImportError("fastplms is deliberately unimportable")
-        return None
-
-sys.meta_path.insert(0, _NoFastplms())
+import sys
 import torch, transformers
 from safetensors.torch import load_file, save_file
 
@@ -105,17 +96,7 @@ def test_fresh_process_equals_the_source_model(artifact, snapshot, tmp_path) -> 
     inputs = example_inputs(artifact)
     inputs_file, out_file = tmp_path / "inputs.safetensors", tmp_path / "out.safetensors"
     save_file(inputs, str(inputs_file))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path)}
-    env["PYTHONPATH"] = ""
-    result = subprocess.run(
-        [sys.executable, "-c", FRESH, str(artifact), str(inputs_file), str(out_file)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_fresh(FRESH, artifact, inputs_file, out_file, tmp_path=tmp_path)
     fresh = load_file(str(out_file))
     _source, _files, state = read_snapshot(snapshot, FAMILY, CHECKPOINT)
     config = make_config(FAMILY, CHECKPOINT)

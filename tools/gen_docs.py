@@ -239,7 +239,8 @@ def _parity_lines(family: Family, report: dict | None, records: Sequence[Mapping
         return _table([c[0] for c in shown], [[c[1](r) for c in shown] for r in rows])
 
     if fp32:
-        lines += ["FP32 (metrics over valid positions; rel. L2 = ‖ours − oracle‖ / ‖oracle‖):", ""]
+        where = "every position, padding included" if all("positions" in r for r in fp32) else "valid positions"
+        lines += [f"FP32 (metrics over {where}; rel. L2 = ‖ours − oracle‖ / ‖oracle‖):", ""]
         lines += table(fp32_columns, fp32)
         lines.append("")
     if reduced:
@@ -249,7 +250,7 @@ def _parity_lines(family: Family, report: dict | None, records: Sequence[Mapping
     panels: dict[str, list[str]] = {}
     for r in forward:
         panel = r.get("panel") or {}
-        text = (
+        text = panel.get("description") or (
             f"residue lengths {panel.get('lengths', '?')}, seed {panel.get('seed', '?')}, "
             f"{panel.get('masked', '?')} `<mask>` tokens"
             + (f", chains per row {panel['chains']}" if "chains" in panel else "")
@@ -276,6 +277,37 @@ def _parity_lines(family: Family, report: dict | None, records: Sequence[Mapping
                 f"- `{r['checkpoint']}`: {r.get('keys', '?')} keys, {r.get('parameters', 0):,} parameters, "
                 f"from {layouts}: {status}"
             )
+        lines.append("")
+    split = [r for r in records if r.get("kind") == "split_rule"]
+    if split:
+        lines.append("Per-row split rule on mixed golden batches (ours vs the official batch-wide split):")
+        lines.append("")
+        lines += _table(
+            ["batch", "row", "row holds both tracks", "final hidden state max abs"],
+            [
+                [f"`{r['batch']}`", row["row"], "yes" if row["packed"] else "no", _sci(row["final_state_max_abs"])]
+                for r in split
+                for row in r["rows"]
+            ],
+        )
+        lines.append("")
+    generation = [r for r in records if r.get("kind") == "generation"]
+    if generation:
+        lines.append("Generation against the official sampler's tokens (same seed, CPU):")
+        lines.append("")
+        lines += _table(
+            ["case", "strategy", "steps", "batch", "tokens equal"],
+            [
+                [
+                    f"`{r['case']}`",
+                    r["sampling_strategy"],
+                    r["max_iter"],
+                    " x ".join(str(n) for n in r["shape"]),
+                    f"{r['tokens_equal']}/{r['tokens']}" + (" (identical)" if r.get("identical") else ""),
+                ]
+                for r in generation
+            ],
+        )
         lines.append("")
     notes = report.get("notes") or []
     if notes:

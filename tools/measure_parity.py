@@ -4,6 +4,8 @@
         [--large-forward esm2_650m] [--out reports/parity/esm2.json]
     python -m tools.measure_parity esmc [--checkpoints esmc_300m,esmc_600m] [--out reports/parity/esmc.json]
     python -m tools.measure_parity e1 [--checkpoints e1_150m,e1_300m] [--out reports/parity/e1.json]
+    python -m tools.measure_parity dplm [--checkpoints dplm_150m] [--out reports/parity/dplm.json]
+    python -m tools.measure_parity dplm2 [--out reports/parity/dplm2.json]
 
 What a family measures is its adapter's (`fastplms.families.<architecture>_parity.measure_report`):
 
@@ -19,6 +21,13 @@ every CPU backend, with the default padding mask and with explicit `sequence_id`
 E1, per listed checkpoint (default: every one with committed oracle goldens): FP32 and BF16 autocast on every
 CPU backend against the official Profluent E1 FP32 goldens, at valid tokens and at padding. Every manifest
 checkpoint gets the conversion shape check.
+
+DPLM: dplm_150m FP32 on every CPU backend and BF16 autocast on SDPA against Transformers' EsmForMaskedLM (SDPA,
+the official mask), every position compared; the official sampler's goldens token for token; conversion shapes.
+
+DPLM2: dplm2_150m against the official ByProt network goldens (homogeneous batches; mixed batches show the
+per-row split deviation) and the live Transformers recipe (FP32, BF16 autocast); the official sampler's goldens
+token for token; conversion shapes.
 
 `python -m tools.gen_docs` turns the report into docs/support.md.
 """

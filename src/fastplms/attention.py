@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -56,12 +56,17 @@ def resolve_backend(name: object) -> str:
     raise ValueError(f"Unknown attention backend {name!r}. Valid names are exactly: {', '.join(ATTENTION_BACKENDS)}.")
 
 
-def check_backend(name: object, allowed: Sequence[str], *, family: str) -> str:
-    """Validate a requested backend against a family's declared list (from its manifest)."""
+def check_backend(
+    name: object, allowed: Sequence[str], *, family: str, reasons: Mapping[str, str] | None = None
+) -> str:
+    """Validate a requested backend against a family's declared list (from its manifest); `reasons` says
+    why the family refuses a backend, where its manifest says."""
     backend = resolve_backend(name)
     if backend not in allowed:
+        why = f" ({reasons[backend]})" if reasons and backend in reasons else ""
         raise ValueError(
-            f"Attention backend {backend!r} is not supported by {family}; its manifest declares: {', '.join(allowed)}."
+            f"Attention backend {backend!r} is not supported by {family}{why}; its manifest declares: "
+            f"{', '.join(allowed)}."
         )
     return backend
 

@@ -4,7 +4,8 @@ Runtime module (ships inside artifacts; imports torch and transformers only). A 
 `<Family>For<Task>(<Task>Model, <Family>PreTrainedModel)`: the mixin here builds the head, names its
 parameters (the state-dict keys every converted checkpoint and artifact uses) and turns the base model's
 packed encoding into the task output in `head_output`; `FastPLMPreTrainedModel.forward` does the rest.
-Heads run on the packed valid tokens, so padding positions of every output are zeros.
+Heads run on the packed tokens of the encoding: the valid ones, so padding positions of every output are
+zeros, except in families whose official padded positions are outputs too (DPLM, DPLM2).
 
 State-dict keys: `lm_head.{dense,norm,decoder}` (plus `lm_head.bias` where the decoder has none of its own),
 `dense` / `out_proj` for sequence classification and `classifier` for token classification, at the top level

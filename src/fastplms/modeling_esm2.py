@@ -76,22 +76,27 @@ class ESM2PreTrainedModel(FastPLMPreTrainedModel):
 class ESM2Model(ESM2PreTrainedModel):
     # Artifacts hold the masked-LM checkpoint; the bare encoder simply does not use its LM head.
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+    layer_class = ESM2Layer  # a family built on ESM2 (DPLM) subclasses the layer and names it here
 
     def __init__(self, config: ESM2Config) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(ESM2Layer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.contact_head = nn.Linear(config.num_hidden_layers * config.num_attention_heads, 1)
         self.post_init()
 
     def _embed(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        return self._rescale(self.embed_tokens(input_ids), input_ids, valid)
+
+    def _rescale(self, x: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Token dropout at inference (`<mask>` rows zeroed, x * 0.88 / (1 - the row's observed mask ratio),
+        in the official order of operations), then padding zeroed."""
         if self.config.token_dropout:
             masked = input_ids == self.config.mask_token_id
             x = x.masked_fill(masked[..., None], 0.0)
             observed = masked.sum(-1).to(x.dtype) / valid.sum(-1).to(x.dtype)
-            x = x * ((1 - TRAIN_MASK_RATIO) / (1 - observed))[:, None, None]
+            x = x * (1 - TRAIN_MASK_RATIO) / (1 - observed)[:, None, None]
         return x * valid[..., None].to(x.dtype)
 
     def encode(
@@ -106,19 +111,29 @@ class ESM2Model(ESM2PreTrainedModel):
         """The encoder, packed; `forward` (plm_base) pads it and applies the head of the model class."""
         backend = self.checked_backend(input_ids, output_attentions, warn_eager)
         batch, seq = input_ids.shape
-        plan = self.attention_plan(backend, mask_state(attention_mask, shape=(batch, seq), device=input_ids.device))
-        h, cos, sin = self._packed_inputs(input_ids, plan.state.valid, plan.q_index)
+        state, valid = self.attention_state(input_ids, attention_mask)
+        plan = self.attention_plan(backend, state)
+        h, cos, sin = self._packed_inputs(input_ids, valid, plan.q_index)
         h, hidden, attentions = run_encoder(
             self.layers, self.final_norm, h, cos, sin, plan, output_hidden_states, output_attentions
         )
         return Encoded(h, plan.q_index, batch, seq, hidden, attentions)
 
+    def attention_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """(the forward's mask state, the valid tokens): the caller's mask; queries and keys alike."""
+        state = mask_state(attention_mask, shape=tuple(input_ids.shape), device=input_ids.device)
+        return state, state.valid
+
+    def positions(self, input_ids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Rotary position of each packed token (`indices` into (batch * seq)): its index in the row."""
+        return indices % input_ids.shape[1]
+
     def _packed_inputs(self, input_ids, valid, indices):
-        """Embeddings of the valid tokens and their rotary tables (positions = index in the row)."""
+        """Embeddings of the packed tokens and their rotary tables."""
         inv_freq = inverse_frequencies(
             self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta
         )
-        cos, sin = rotary_tables(indices % input_ids.shape[1], inv_freq)
+        cos, sin = rotary_tables(self.positions(input_ids, indices), inv_freq)
         h = unpad(self._embed(input_ids, valid), indices)
         return h, cos.to(h.dtype), sin.to(h.dtype)
 
@@ -158,19 +173,25 @@ class ESM2Model(ESM2PreTrainedModel):
 
 
 class ESM2ForMaskedLM(MaskedLMModel, ESM2PreTrainedModel):
+    encoder_class = ESM2Model  # the task classes of a family built on ESM2 name their own base model
+
     def __init__(self, config: ESM2Config) -> None:
         # fair-esm's layout: a bias-free decoder and a separate `lm_head.bias`.
-        super().__init__(config, ESM2Model(config), decoder_bias=False)
+        super().__init__(config, self.encoder_class(config), decoder_bias=False)
 
     def predict_contacts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.esm.predict_contacts(input_ids, attention_mask)
 
 
 class ESM2ForSequenceClassification(SequenceClassificationModel, ESM2PreTrainedModel):
+    encoder_class = ESM2Model
+
     def __init__(self, config: ESM2Config) -> None:
-        super().__init__(config, ESM2Model(config))
+        super().__init__(config, self.encoder_class(config))
 
 
 class ESM2ForTokenClassification(TokenClassificationModel, ESM2PreTrainedModel):
+    encoder_class = ESM2Model
+
     def __init__(self, config: ESM2Config) -> None:
-        super().__init__(config, ESM2Model(config))
+        super().__init__(config, self.encoder_class(config))

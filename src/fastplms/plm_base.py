@@ -242,7 +242,8 @@ class FastPLMPreTrainedModel(PreTrainedModel):
         if attn_implementation is None:
             # Unspecified: Transformers' usual choice, SDPA, when the family declares it.
             return "sdpa" if "sdpa" in allowed else allowed[0]
-        return check_backend(attn_implementation, allowed, family=self.config.family)
+        reasons = getattr(self.config, "unsupported_backends", None)
+        return check_backend(attn_implementation, allowed, family=self.config.family, reasons=reasons)
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:

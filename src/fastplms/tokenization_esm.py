@@ -7,7 +7,7 @@ so it imports only the standard library and transformers, and does nothing at im
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,26 +185,50 @@ class ESMTokenizer(PythonBackend):
         return (str(path),)
 
 
-def tokenizer_files(
-    directory: str | Path, vocab: Sequence[str], model_max_length: int = DEFAULT_MODEL_MAX_LENGTH
+def write_tokenizer_files(
+    directory: str | Path,
+    vocab: Sequence[str],
+    model_max_length: int,
+    *,
+    tokenizer_class: type[PythonBackend],
+    module: str,
+    special_tokens: Mapping[str, str],
+    vocab_writer: Callable[[Path, Sequence[str]], Path],
 ) -> list[Path]:
-    """Write the tokenizer files of a remote-code artifact; the caller copies this module beside them."""
+    """Write the tokenizer files of a remote-code artifact for ``tokenizer_class``, defined in the runtime
+    module ``module`` (the caller copies it beside them): ``vocab_writer``'s vocab.txt, tokenizer_config.json
+    (``auto_map`` to ``module.tokenizer_class``, ``special_tokens``) and special_tokens_map.json."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vocab_path = write_vocab(directory / VOCAB_FILE_NAME, vocab)
+    vocab_path = vocab_writer(directory / VOCAB_FILE_NAME, vocab)
     config = {
-        "tokenizer_class": ESMTokenizer.__name__,
+        "tokenizer_class": tokenizer_class.__name__,
         # Slow class only: there is no fast counterpart, hence the null second slot.
-        "auto_map": {"AutoTokenizer": [f"tokenization_esm.{ESMTokenizer.__name__}", None]},
+        "auto_map": {"AutoTokenizer": [f"{module}.{tokenizer_class.__name__}", None]},
         "model_max_length": model_max_length,
         "padding_side": "right",
         "truncation_side": "right",
-        "model_input_names": ESMTokenizer.model_input_names,
+        "model_input_names": tokenizer_class.model_input_names,
         "clean_up_tokenization_spaces": False,
-        **_SPECIAL_TOKENS,
+        **special_tokens,
     }
     config_path = directory / "tokenizer_config.json"
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     special_path = directory / "special_tokens_map.json"
-    special_path.write_text(json.dumps(_SPECIAL_TOKENS, indent=2) + "\n", encoding="utf-8")
+    special_path.write_text(json.dumps(dict(special_tokens), indent=2) + "\n", encoding="utf-8")
     return [vocab_path, config_path, special_path]
+
+
+def tokenizer_files(
+    directory: str | Path, vocab: Sequence[str], model_max_length: int = DEFAULT_MODEL_MAX_LENGTH
+) -> list[Path]:
+    """Write the tokenizer files of a remote-code artifact; the caller copies this module beside them."""
+    return write_tokenizer_files(
+        directory,
+        vocab,
+        model_max_length,
+        tokenizer_class=ESMTokenizer,
+        module="tokenization_esm",
+        special_tokens=_SPECIAL_TOKENS,
+        vocab_writer=write_vocab,
+    )

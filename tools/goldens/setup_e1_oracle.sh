@@ -6,37 +6,21 @@
 #   <dest>/E1_COMMIT the commit the tree was extracted from
 # Usage: setup_e1_oracle.sh <dest> [<E1 git dir, bare or not, or a clone URL>]
 # Idempotent: a folder already at the commit is kept. The official code is never copied into this
-# repository; the recipe refuses a <dest> inside it.
+# repository; this script and the recipe refuse a <dest> inside it.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=tools/goldens/official_tree.sh
+source "$REPO_ROOT/tools/goldens/official_tree.sh"
 COMMIT=219c7c7a3a803b8552ae6a44ce6dd24f133fefbd
 DEST="${1:?usage: setup_e1_oracle.sh <dest> [<E1 git dir or clone URL>]}"
 SOURCE="${2:-https://github.com/Profluent-AI/E1.git}"
 PYTHON="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
 
+DEST="$(outside_repo "$DEST")"  # checked before anything is created
 mkdir -p "$DEST"
-DEST="$(cd "$DEST" && pwd)"
-case "$DEST/" in
-    "$REPO_ROOT"/*) echo "error: $DEST is inside the repository; pick a folder outside it" >&2; exit 1 ;;
-esac
 
-if [ "$(cat "$DEST/E1_COMMIT" 2>/dev/null || true)" != "$COMMIT" ]; then
-    rm -rf "$DEST/tree" "$DEST/E1_COMMIT"
-    if git --git-dir "$SOURCE" rev-parse --git-dir >/dev/null 2>&1; then
-        GIT_DIR_ARG=(--git-dir "$SOURCE")
-    elif git -C "$SOURCE" rev-parse --git-dir >/dev/null 2>&1; then
-        GIT_DIR_ARG=(-C "$SOURCE")
-    else
-        CLONE="$(mktemp -d)"
-        trap 'rm -rf "$CLONE"' EXIT
-        git clone --quiet --bare "$SOURCE" "$CLONE/E1.git"
-        GIT_DIR_ARG=(--git-dir "$CLONE/E1.git")
-    fi
-    mkdir -p "$DEST/tree"
-    git "${GIT_DIR_ARG[@]}" archive "$COMMIT" | tar -x -C "$DEST/tree"
-    echo "$COMMIT" >"$DEST/E1_COMMIT"
-fi
+official_tree "$DEST" "$SOURCE" "$COMMIT" E1_COMMIT
 
 if [ ! -f "$DEST/site/einops/__init__.py" ]; then
     "$PYTHON" -m pip install --disable-pip-version-check --quiet --no-deps --target "$DEST/site" einops==0.8.1

@@ -37,9 +37,10 @@ def _parity_section(family: Family, checkpoint: Checkpoint) -> str:
     header = ["oracle", "backend", "dtype"] + (["mask"] if with_mask else [])
     header += ["logits rel. L2", "logits max abs", "worst hidden-state rel. L2"]
     header += ["embeddings rel. L2"] if with_embeddings else []
+    where = "every position, padding included" if all("positions" in r for r in measured) else "valid residues"
     lines = [
         "Measured against the official implementation on seeded weights at this checkpoint's real "
-        "dimensions, over valid residues (`python -m tools.measure_parity`):\n",
+        f"dimensions, over {where} (`python -m tools.measure_parity`):\n",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
@@ -51,6 +52,13 @@ def _parity_section(family: Family, checkpoint: Checkpoint) -> str:
         cells += [_fmt(logits.get("relative_l2")), _fmt(logits.get("max_abs")), _fmt(hidden.get("worst_relative_l2"))]
         cells += [_fmt((r.get("embeddings") or {}).get("relative_l2"))] if with_embeddings else []
         lines.append("| " + " | ".join(cells) + " |")
+    generation = [r for r in records if r.get("kind") == "generation"]
+    if generation:
+        same = sum(bool(r.get("identical")) for r in generation)
+        lines.append(
+            f"\nGeneration: {same} of {len(generation)} seeded runs of the official sampler reproduced token "
+            f"for token on CPU ({', '.join(sorted({r['sampling_strategy'] for r in generation}))})."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -20,19 +20,26 @@ from ..families import adapter_for
 from ..manifest import load_all
 from .build import PROVENANCE, sha256_file
 
-# Runs in the fresh process: argv = artifact, example-inputs file, JSON list of sequences for the
-# tokenizer (empty: the family has none). A meta-path finder refuses `fastplms`, so the artifact can
-# only work through its own copied runtime modules.
-LOAD_SCRIPT = r"""
-import importlib.abc, json, sys
+# The first lines of a script run in a fresh process: a meta-path finder refuses `fastplms`, so an
+# artifact can only work through its own copied runtime modules. The artifact tests reuse it.
+NO_FASTPLMS = r"""
+import importlib.abc, sys
 
 class _NoFastplms(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "fastplms" or name.startswith("fastplms."):
-            raise ImportError("fastplms is deliberately unimportable while verifying an artifact")
+            raise ImportError("fastplms is deliberately unimportable in this fresh process")
         return None
 
 sys.meta_path.insert(0, _NoFastplms())
+"""
+
+# Runs in the fresh process: argv = artifact, example-inputs file, JSON list of sequences for the
+# tokenizer (empty: the family has none).
+LOAD_SCRIPT = (
+    NO_FASTPLMS
+    + r"""import json
+
 try:
     import fastplms  # noqa: F401
     raise SystemExit("fastplms was importable; the check would prove nothing")
@@ -74,6 +81,19 @@ for name in sorted(config.auto_map):
     }
 print("FASTPLMS-VERIFY " + json.dumps(report))
 """
+)
+
+
+def offline_env(modules_cache: str | Path) -> dict[str, str]:
+    """The environment of a fresh process that loads artifacts as a user would, offline: this one's, plus
+    HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, remote code cached in ``modules_cache``, and no PYTHONPATH."""
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(modules_cache),
+        "PYTHONPATH": "",
+    }
 
 
 def check_hashes(artifact: Path) -> list[str]:
@@ -107,16 +127,9 @@ def load_in_fresh_process(artifact: Path, timeout: float = 900) -> dict:
     with tempfile.TemporaryDirectory() as modules:
         inputs_file = Path(modules) / "inputs.safetensors"
         save_file({k: v.contiguous() for k, v in adapter.example_inputs(artifact).items()}, str(inputs_file))
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "HF_MODULES_CACHE": modules,
-            "PYTHONPATH": "",
-        }
         proc = subprocess.run(
             [sys.executable, "-c", LOAD_SCRIPT, str(artifact.resolve()), str(inputs_file), json.dumps(sequences)],
-            env=env,
+            env=offline_env(modules),
             cwd=modules,
             capture_output=True,
             text=True,

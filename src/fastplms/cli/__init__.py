@@ -1,4 +1,4 @@
-"""The `fastplms` command: build, verify and publish artifacts; embed datasets."""
+"""The `fastplms` command: build, verify and publish artifacts; embed datasets; generate proteins."""
 
 from __future__ import annotations
 
@@ -94,6 +94,101 @@ def _cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generation_bar(stream=None):
+    """A one-line TTY progress bar over denoising steps of one batch; None when not on a terminal."""
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        return None
+
+    def show(batch: int, batches: int, step: int, steps: int) -> None:
+        width = 30
+        done = ((batch - 1) * steps + step) / (batches * steps)
+        bar = "#" * int(width * done) + "." * (width - int(width * done))
+        stream.write(f"\r[{bar}] batch {batch}/{batches} step {step}/{steps}".ljust(80))
+        stream.flush()
+
+    return show
+
+
+def _generated_records(tokens, input_ids, vocabulary: tuple[str, ...], special: set[int]):
+    """(sequence, non-residue count) per generated row: one character per position between `<cls>` and
+    `<eos>`. The official sampler can emit `<unk>` and `<null_1>`; each is written as X (and counted)
+    so that positions stay aligned with the template."""
+    records = []
+    for row, source in zip(tokens.tolist(), input_ids.tolist(), strict=True):
+        chars = [vocabulary[t] for t, s in zip(row, source, strict=True) if s not in special]
+        odd = sum(1 for c in chars if len(c) > 1 or not c.isalpha())
+        records.append(("".join(c if len(c) == 1 else "X" for c in chars), odd))
+    return records
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    output = Path(args.out)
+    if output.exists() and not args.overwrite:
+        raise ValueError(f"{output} exists; pass overwrite=True to replace it")
+    if args.num_seqs < 1 or args.batch_size < 1:
+        raise ValueError(f"--num-seqs and --batch-size must be at least 1; received {args.num_seqs}, {args.batch_size}")
+    if not args.length and args.template is None:
+        raise ValueError("give --length (one or more) or --template")
+    kwargs = {"trust_remote_code": True}
+    if args.backend:
+        kwargs["attn_implementation"] = args.backend
+    model = AutoModelForMaskedLM.from_pretrained(args.model, **kwargs).eval()
+    if not hasattr(model, "generate_inputs"):
+        raise ValueError(f"{model.config.family} models do not generate sequences")
+    if "template" not in inspect.signature(model.generate_inputs).parameters:
+        raise ValueError(
+            f"fastplms generate writes DPLM sequences; {model.config.family} generates structure tokens too: "
+            "use model.generate_inputs and model.generate in Python (docs/dplm.md)"
+        )
+    if args.device:
+        model.to(torch.device(args.device))
+    lengths = [n for n in args.length or [len(args.template)] for _ in range(args.num_seqs)]
+    model.generate_inputs(lengths, template=args.template)  # checked whole before any compute
+    if args.steps < 1:
+        raise ValueError(f"max_iter (--steps) must be a positive number of denoising steps; received {args.steps}")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    batches = [lengths[i : i + args.batch_size] for i in range(0, len(lengths), args.batch_size)]
+    special = {model.config.cls_token_id, model.config.eos_token_id, model.config.pad_token_id}
+    bar = _generation_bar()
+    records = []
+    start = time.perf_counter()
+    for number, batch in enumerate(batches, 1):
+        input_ids, partial_masks = model.generate_inputs(batch, template=args.template)
+        tokens = model.generate(
+            input_ids.to(device),
+            max_iter=args.steps,
+            sampling_strategy=args.strategy,
+            temperature=args.temperature,
+            partial_masks=partial_masks.to(device),
+            generator=generator,
+            progress=None if bar is None else (lambda step, steps, n=number: bar(n, len(batches), step, steps)),
+        )
+        records += _generated_records(tokens.cpu(), input_ids, model.vocabulary, special)
+    seconds = time.perf_counter() - start
+    if bar:
+        sys.stderr.write("\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".partial")
+    with partial.open("w", encoding="utf-8") as handle:
+        for index, (sequence, odd) in enumerate(records):
+            about = f"length={len(sequence)} steps={args.steps} strategy={args.strategy} seed={args.seed}"
+            about += f" nonresidue={odd}" if odd else ""
+            handle.write(f">generated_{index} {about}\n{sequence}\n")
+    partial.replace(output)
+    print(f"model        {args.model} ({model.config.family}, {model.attention_backend()})")
+    print(f"sequences    {len(records)}")
+    print(f"time         {seconds:.1f} s")
+    print(f"output       {output}")
+    return 0
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     from ..artifact.build import build, build_all
 
@@ -171,6 +266,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     embed.set_defaults(func=_cmd_embed)
 
+    generate = sub.add_parser("generate", help="generate protein sequences with a diffusion model (DPLM)")
+    generate.add_argument("--model", required=True, help="artifact directory or Hub id")
+    generate.add_argument("--out", required=True, help="output FASTA file")
+    generate.add_argument("--length", type=int, action="append", help="residues per sequence (repeatable)")
+    generate.add_argument("--num-seqs", type=int, default=1, help="sequences per length; default 1")
+    generate.add_argument("--steps", type=int, default=100, help="denoising steps (max_iter); default 100")
+    generate.add_argument("--strategy", default="gumbel_argmax", choices=("gumbel_argmax", "argmax", "vanilla"))
+    generate.add_argument("--temperature", type=float, default=None, help="vanilla sampling temperature")
+    generate.add_argument("--seed", type=int, default=0, help="random seed; default 0")
+    generate.add_argument(
+        "--template", default=None, help="residues to keep and '_' for positions to generate, e.g. MK____A__"
+    )
+    generate.add_argument("--batch-size", type=int, default=16, help="sequences generated together; default 16")
+    generate.add_argument("--backend", default=None, help="attention backend (default: sdpa)")
+    generate.add_argument("--device", default=None, help="torch device, e.g. cuda")
+    generate.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    generate.set_defaults(func=_cmd_generate)
+
     build = sub.add_parser("build", help="build a remote-code artifact from an official snapshot")
     build.add_argument("model_id", nargs="?", help="checkpoint id or published name, e.g. esm2_8m or ESM2-8M")
     build.add_argument("--snapshot", help="local copy of the official checkpoint repository")
@@ -210,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, OSError) as exc:
         message = str(exc)
-        if args.command == "embed":
+        if args.command in ("embed", "generate"):
             for keyword, flag in _FLAG_HINTS.items():
                 message = message.replace(keyword, flag)
         print(f"fastplms {args.command}: error: {message}", file=sys.stderr)

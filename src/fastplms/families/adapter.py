@@ -88,6 +88,8 @@ def manifest_config(config_class: type, family: Family, checkpoint: Checkpoint, 
         allowed_dtypes=list(family.dtypes),
         bf16_policy=family.bf16,
         family=family.name,
+        # Only where the manifest gives reasons, so other families' configs stay as they were.
+        **({"unsupported_backends": dict(family.unsupported)} if family.unsupported else {}),
         **fields,
     )
 

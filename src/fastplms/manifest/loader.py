@@ -47,6 +47,11 @@ SOURCE_KINDS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingProxy
         "biohub": (frozenset({"repo"}), frozenset({"revision", "files", "license"})),
         # A Profluent-Bio Hub snapshot (config.json, model.safetensors, tokenizer.json) of the official E1 code.
         "profluent": (frozenset({"repo"}), frozenset({"revision", "files", "license"})),
+        # An airkingbd Hub snapshot saved by ByProt's EsmForDPLM / EsmForDPLM2 (config.json with `dplm_type`,
+        # Transformers Esm key names, the decoder tied or not as the config says).
+        "byprot": (frozenset({"repo"}), frozenset({"revision", "files", "license"})),
+        # An ElnaggarLab Hub snapshot of Transformers' T5 (config.json, weights, tokenizer.json or spiece.model).
+        "elnaggarlab": (frozenset({"repo"}), frozenset({"revision", "files", "license"})),
     }
 )
 
@@ -105,6 +110,9 @@ class Checkpoint:
     # Config fields of this checkpoint alone (e.g. E1's num_kv_heads); the family's shared ones are in
     # `Family.config`, `Family.checkpoint_config` merges both.
     config: Mapping[str, ConfigValue] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    # Config fields not known offline (a dimension no reachable source states): the build reads them from the
+    # snapshot's own config.json instead of guessing.
+    from_snapshot: tuple[str, ...] = ()
 
     @property
     def dims(self) -> tuple[int, int, int]:
@@ -145,6 +153,8 @@ class Family:
     path: Path = field(compare=False)
     # `[config]`: scalar config fields shared by every checkpoint (beyond the dims every family has).
     config: Mapping[str, ConfigValue] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    # `[attention] unsupported`: backend -> why the family refuses it (the refusal's message says so).
+    unsupported: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     def checkpoint(self, checkpoint_id: str) -> Checkpoint:
         for checkpoint in self.checkpoints:
@@ -319,7 +329,7 @@ def _read_checkpoint(
         where,
         raw,
         {"id", "published", "num_layers", "hidden_size", "num_heads", "license", "sources"},
-        {"license_link", "config"},
+        {"license_link", "config", "from_snapshot"},
     )
     checkpoint_id = table.string("id", _ID, "a checkpoint id: lowercase letters, digits and '_'")
     published = table.string("published", _PUBLISHED, "a Hub repo name: letters, digits, '.', '_', '-'")
@@ -351,6 +361,15 @@ def _read_checkpoint(
                 raise ManifestError(
                     file, _join(config_where, key), "already set in [config]; a field is set in one place only"
                 )
+    from_snapshot: tuple[str, ...] = ()
+    if "from_snapshot" in table.raw:
+        value = table.raw["from_snapshot"]
+        if not isinstance(value, list) or not all(isinstance(v, str) and _ID.fullmatch(v) for v in value):
+            table.fail("from_snapshot", "expected an array of config field names")
+        overlap = sorted(set(value) & (set(config) | set(family_config)))
+        if overlap:
+            table.fail("from_snapshot", f"{overlap} are set in the manifest too; a field comes from one place")
+        from_snapshot = tuple(value)
     return Checkpoint(
         id=checkpoint_id,
         published=published,
@@ -361,6 +380,7 @@ def _read_checkpoint(
         sources=sources,
         license_link=license_link,
         config=MappingProxyType(config),
+        from_snapshot=from_snapshot,
     )
 
 
@@ -430,7 +450,15 @@ def load_manifest(path: str | Path, *, resolve: bool = True) -> Family:
             autos.fail(name, "not a transformers Auto class name")
         auto_classes[name] = autos.string(name, _TARGET, "a runtime target 'module.ClassName'")
 
-    backends = root.table("attention", {"backends"}).choices("backends", BACKENDS)
+    attention = root.table("attention", {"backends"}, {"unsupported"})
+    backends = attention.choices("backends", BACKENDS)
+    unsupported: dict[str, str] = {}
+    if "unsupported" in attention.raw:
+        reasons = attention.table("unsupported", set(), optional=None)
+        for name in reasons.raw:
+            if name not in BACKENDS or name in backends:
+                reasons.fail(name, f"not a backend outside attention.backends; valid: {', '.join(BACKENDS)}")
+            unsupported[name] = reasons.string(name)
 
     dt = root.table("dtypes", {"allowed"}, {"bf16"})
     dtypes = dt.choices("allowed", DTYPES)
@@ -468,6 +496,7 @@ def load_manifest(path: str | Path, *, resolve: bool = True) -> Family:
         upstream=upstream,
         auto_classes=MappingProxyType(auto_classes),
         backends=backends,
+        unsupported=MappingProxyType(unsupported),
         dtypes=dtypes,
         bf16=bf16,
         checkpoints=checkpoints,
