@@ -81,7 +81,10 @@ def test_parity_report_covers_every_checkpoint(family_id):
         assert forward or shapes, f"{checkpoint.id}: neither forward-measured nor shape-checked"
         assert all(r["ok"] for r in shapes), [r["problems"] for r in shapes]
         for r in forward:
-            assert set(r["logits"]) == LOGIT_METRICS
+            if "logits_ids" in r:  # goldens that keep a subset of the vocabulary's logits (DPLM2's official)
+                assert set(r["logits"]) == {"max_abs", "relative_l2", "argmax_equal"} and r["logits"]["argmax_equal"]
+            else:
+                assert set(r["logits"]) == LOGIT_METRICS
             assert r["backend"] in family.backends and r["dtype"] in family.dtypes
             if r["dtype"] == "float32":  # the committed numbers must be the near-exact ones the tests demand
                 assert r["logits"]["relative_l2"] <= 1e-5, (checkpoint.id, r["oracle"], r["backend"])
