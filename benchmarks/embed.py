@@ -27,6 +27,17 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.ankh import (
+    ANKH_RECORDS,
+    ANKH_RECORDS_QUICK,
+    ankh_cases,
+    ankh_dims,
+    ankh_flops,
+    ankh_model_record,
+    child_transformers_t5,
+    prepare_ankh_assets,
+)
+from benchmarks.ankh import FLOPS_FORMULA as ANKH_FLOPS_FORMULA
 from benchmarks.esmc import FLOPS_FORMULA as ESMC_FLOPS_FORMULA
 from benchmarks.esmc import (
     ORACLE_PYTHON,
@@ -47,6 +58,10 @@ ESMCPP_CHILD = Path(__file__).resolve().parent / "esmcpp_child.py"
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 MAX_RESIDUES = 1022
 CHECK_RECORDS = 16  # records of the dataset every engine embeds again for the output comparison
+# A case with `warmup` first embeds this many residues of its first record, untimed (`warmup_s`): where a
+# run is only one or two batches (ANKH), the first-call costs (first touch of the memory-mapped weights,
+# kernel and allocator set-up, a lazily loaded tokenizer) would otherwise be most of its rate.
+WARMUP_RESIDUES = 64
 BUDGETS = (2048, 4096, 8192, 16384)
 HF_INPUT_BATCH = 16
 FAIR_TOKS_PER_BATCH = 4096  # fair-esm extract.py's default
@@ -60,8 +75,8 @@ SHORT_PROFILE_CASES = (
     "fair-esm ESM2 toks_per_batch=4096",
     "esm-cpp",
 )
-# Manifest ids our builder accepts that the harness runs; esmc_* runs benchmarks/esmc.py.
-MODEL_IDS = ("esm2_8m", "esm2_35m", "esm2_650m", "esmc_300m", "esmc_600m")
+# Manifest ids our builder accepts that the harness runs; esmc_* runs benchmarks/esmc.py, ankh_* benchmarks/ankh.py.
+MODEL_IDS = ("esm2_8m", "esm2_35m", "esm2_650m", "esmc_300m", "esmc_600m", "ankh_base")
 
 
 def model_dims(model: str) -> tuple[int, int, int]:
@@ -147,6 +162,8 @@ def prepare_assets(model: str, seed: int) -> dict[str, str]:
     root = CACHE / f"{model}-seed{seed}"
     if model.startswith("esmc"):
         return prepare_esmc_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
+    if model.startswith("ankh"):
+        return prepare_ankh_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
     hf = root / "hf"
     if not (hf / "model.safetensors").exists():
         write_hf_snapshot(hf, layers, hidden, heads, seed=seed)
@@ -194,6 +211,15 @@ class _Deadline(Exception):
 
 
 def _peak_rss_mb() -> float:
+    """This process's peak RSS since it started: `VmHWM` of /proc/self/status. Not `getrusage`'s ru_maxrss,
+    which Linux keeps across execve: in a child it is at least the parent's own peak at fork (the harness
+    parent holds whole models while it builds artifacts), so every case would read the same floor."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -238,19 +264,29 @@ def case_autocast(case: dict):
 
 def timed_batches(run, batches: list[list[int]], lengths: list[int], case: dict) -> dict:
     """`run(record indices)` over the batches until done or past the case's time cap, then over the check
-    panel (the first CHECK_RECORDS records, 8 at a time): the timer's summary plus `check` embeddings."""
+    panel (the first `check_records` records, default CHECK_RECORDS, 8 at a time): the timer's summary plus
+    `check` embeddings. With `check_from_run` the panel's vectors are those of the timed run itself, and
+    only records it did not reach (time cap) are embedded again."""
     import torch
 
     timer, deadline = _Timer(), time.perf_counter() + case["max_seconds"]
+    panel = min(case.get("check_records", CHECK_RECORDS), len(lengths))
+    kept: dict[int, torch.Tensor] = {}
     done = 0
     for batch in batches:
-        run(batch)
+        out = run(batch)
         _sync(case["device"])
         done += sum(lengths[i] for i in batch)
         timer.mark(done)
+        if case.get("check_from_run"):
+            kept.update((i, row) for i, row in zip(batch, out, strict=True) if i < panel)
         if time.perf_counter() > deadline:
             break
-    check = torch.cat([run(list(range(i, min(i + 8, CHECK_RECORDS)))) for i in range(0, CHECK_RECORDS, 8)])
+    missing = [i for i in range(panel) if i not in kept]
+    for start in range(0, len(missing), 8):
+        chunk = missing[start : start + 8]
+        kept.update(zip(chunk, run(chunk), strict=True))
+    check = torch.stack([kept[i] for i in range(panel)])
     return {**timer.summary(sum(lengths)), "check": check.tolist()}
 
 
@@ -388,17 +424,23 @@ def child_ours(case: dict) -> dict:
         options["compile"] = case["compile"]
     if case.get("max_tokens_per_batch"):
         options["max_tokens_per_batch"] = case["max_tokens_per_batch"]
+    warmup_s = None
+    if case.get("warmup"):  # one short untimed call first (see WARMUP_RESIDUES)
+        t_warm = time.perf_counter()
+        model.embed_dataset({"warmup": read_fasta(case["dataset"])[0][1][:WARMUP_RESIDUES]}, **options)
+        warmup_s = time.perf_counter() - t_warm
     timer = _Timer()
     deadline = timer.start + case["max_seconds"]
 
-    def progress(records_done, residues_done, total):
+    total = sum(len(s) for _, s in read_fasta(case["dataset"]))
+
+    def progress(records_done, residues_done, _records_total):
         _sync(device)
         timer.mark(residues_done)
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline and residues_done < total:  # the last batch completes the run
             raise _Deadline
 
-    total = sum(len(s) for _, s in read_fasta(case["dataset"]))
-    profile = None
+    profile = embedded = None
     try:
         if case.get("profile_ops"):
             from torch.profiler import ProfilerActivity, profile
@@ -406,23 +448,28 @@ def child_ours(case: dict) -> dict:
             with profile(activities=[ProfilerActivity.CPU]) as profile:
                 model.embed_dataset(case["dataset"], progress=progress, **options)
         else:
-            model.embed_dataset(case["dataset"], progress=progress, **options)
+            embedded = model.embed_dataset(case["dataset"], progress=progress, **options)
     except _Deadline:
         pass
     result = timer.summary(total)
     runner = getattr(model, "_fastplms_compiled", None)
     compiled = runner is not None and runner.calls > 0
     result["compiled"] = compiled
+    if warmup_s is not None:
+        result["warmup_s"] = warmup_s
     if compiled:
         result["compile_s"] = runner.compile_seconds
-    check_records = dict(read_fasta(case["dataset"])[:CHECK_RECORDS])
-    check_options = {**options, "compile": compiled}
-    check = model.embed_dataset(check_records, **check_options)
+    panel = case.get("check_records", CHECK_RECORDS)
+    if case.get("check_from_run") and embedded is not None:  # the timed run's own vectors (input order)
+        check = embedded.records[:panel]
+    else:
+        check_records = dict(read_fasta(case["dataset"])[:panel])
+        check = model.embed_dataset(check_records, **{**options, "compile": compiled}).records
     out = {
         "status": "ok",
         "load_s": load_s,
         **result,
-        "check": torch.stack([r.pooled for r in check.records]).tolist(),
+        "check": torch.stack([r.pooled for r in check]).tolist(),
         **_memory(device),
     }
     if profile is not None:
@@ -462,6 +509,7 @@ CHILDREN = {
     "fair-esm": child_fair_esm,
     "ours": child_ours,
     "esmc-official": child_esmc_official,
+    "transformers-t5": child_transformers_t5,
 }
 
 
@@ -667,6 +715,7 @@ def summarize(case: dict, runs: list[dict], reference, flops_per_residue: float,
         "peak_gpu_mb",
         "load_s",
         "compile_s",
+        "warmup_s",
     ):
         values = [r[key] for r in ok if r.get(key) is not None]
         if values:
@@ -675,7 +724,10 @@ def summarize(case: dict, runs: list[dict], reference, flops_per_residue: float,
     summary["residues"] = statistics.median(r["residues"] for r in ok)
     if "compiled" in ok[0]:
         summary["compiled"] = [r["compiled"] for r in ok]
-    rate = summary["steady_res_per_s"]["median"]
+    # A case with an untimed warm-up (ANKH: one or two batches per case) is rated end to end: its "steady"
+    # rate would leave out the first batch, which is most of its work.
+    summary["rate_metric"] = "end_to_end_res_per_s" if case.get("warmup") else "steady_res_per_s"
+    rate = summary[summary["rate_metric"]]["median"]
     summary["model_gflops"] = rate * flops_per_residue / 1e9
     if peaks is not None:
         peak_dtype = "bfloat16" if case["dtype"] == "bfloat16" else "float32"
@@ -696,7 +748,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.embed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="a small smoke run (about two minutes)")
-    parser.add_argument("--records", type=int, default=None, help="records per profile (default 400; quick 48)")
+    parser.add_argument(
+        "--records", type=int, default=None, help="records per profile (default 400, ankh 8; quick 48, ankh 4)"
+    )
     parser.add_argument(
         "--profile",
         action="append",
@@ -706,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=None, choices=MODEL_IDS, help="dims (default esm2_35m on CPU, esm2_650m on CUDA)"
     )
-    parser.add_argument("--repeats", type=int, default=None, help="alternating repeats (default 3; quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="alternating repeats (default 3, ankh 1; quick 1)")
     parser.add_argument(
         "--max-seconds",
         type=float,
@@ -734,6 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = args.device.startswith("cuda")
     args.model = args.model or ("esm2_650m" if gpu else "esm2_35m")
+    if args.model.startswith("ankh"):  # ~100 residues/s on 2 cores: a dataset one run gets through in minutes
+        args.records = args.records or (ANKH_RECORDS_QUICK if args.quick else ANKH_RECORDS)
+        args.repeats = args.repeats or 1
     args.records = args.records or (48 if args.quick else 400)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.max_seconds = args.max_seconds or (15.0 if args.quick else 60.0)
@@ -744,10 +801,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     print(f"[bench] preparing assets ({args.model}, seed {args.seed}) in {CACHE}", flush=True)
     assets = prepare_assets(args.model, args.seed)
-    esmc = args.model.startswith("esmc")
+    esmc, ankh = args.model.startswith("esmc"), args.model.startswith("ankh")
     if esmc:
         oracle = oracle_status()
-    else:
+    elif not ankh:
         esmcpp = esm_cpp_status() if not gpu else {"available": False, "error": "esm-cpp is a CPU engine"}
     layers, hidden, _heads = model_dims(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -758,21 +815,28 @@ def main(argv: list[str] | None = None) -> int:
             CACHE / f"{profile}-{args.records}-seed{args.seed}.fasta", profile, args.records, args.seed
         )
         lengths = dataset_lengths(profile, args.records, args.seed)
-        flops_per_residue = (esmc_flops if esmc else useful_flops)(lengths, layers, hidden) / sum(lengths)
+        if ankh:
+            flops = ankh_flops(lengths, ankh_dims(args.model))
+        else:
+            flops = (esmc_flops if esmc else useful_flops)(lengths, layers, hidden)
+        flops_per_residue = flops / sum(lengths)
         peak_runs = []
         peaks = None
         if not gpu:
             peak_runs.append(spawn({"engine": "peak", "device": args.device}, timeout))
             peaks = peak_runs[-1].get("peak")
-        cases = esmc_cases(args, oracle) if esmc else plan_cases(args, peaks, esmcpp)
+        if ankh:
+            cases = ankh_cases(args)
+        else:
+            cases = esmc_cases(args, oracle) if esmc else plan_cases(args, peaks, esmcpp)
         cases = mark_slow_bf16(cases, args, peaks)
-        if profile == "short" and not args.all_cases and not esmc:
+        if profile == "short" and not args.all_cases and not (esmc or ankh):
             cases = [c for c in cases if c["label"] in SHORT_PROFILE_CASES]
         if args.only:
             cases = [c for c in cases if any(term in c["label"] for term in args.only.split("|"))]
         if args.dtype:
             cases = [c for c in cases if c["dtype"] == args.dtype]
-        if not args.no_profile_ops and not args.quick and profile == "lognormal" and not esmc:
+        if not args.no_profile_ops and not args.quick and profile == "lognormal" and not (esmc or ankh):
             # One profiled run each of ours and the best-known baseline: where each spends its time.
             profiled = {"dtype": "float32", "profile_ops": True, "repeats": 1}
             cases.append({"engine": "ours", "label": "fastplms default (profiled)", "backend": "default", **profiled})
@@ -821,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
             (
                 runs[i][0]["check"]
                 for i, c in enumerate(cases)
-                if c["engine"] == ("esmc-official" if esmc else "transformers")
+                if c["engine"] == ("esmc-official" if esmc else "transformers-t5" if ankh else "transformers")
                 and c.get("batching") == "sorted"
                 and c["dtype"] == "float32"
                 and runs[i]
@@ -841,7 +905,14 @@ def main(argv: list[str] | None = None) -> int:
             "command": command,
             "machine": machine,
             "load_average_end": os.getloadavg(),
-            "model": {"id": args.model, "layers": layers, "hidden": hidden, "heads": _heads, "seed": args.seed},
+            "model": {
+                "id": args.model,
+                "layers": layers,
+                "hidden": hidden,
+                "heads": _heads,
+                "seed": args.seed,
+                **(ankh_model_record(args.model) if ankh else {}),
+            },
             "dataset": {
                 "profile": profile,
                 "records": args.records,
@@ -853,18 +924,21 @@ def main(argv: list[str] | None = None) -> int:
             "flops_per_residue": flops_per_residue,
             "flops_formula": ESMC_FLOPS_FORMULA
             if esmc
+            else ANKH_FLOPS_FORMULA
+            if ankh
             else (
                 "per sequence of L residues, T = L + 2 tokens: T * 2 * P + layers * 4 * hidden * T^2, "
                 "P = layers * (12 * hidden^2 + 9 * hidden); divided by the residues of the dataset"
             ),
-            "reference": "official ESMC FP32" if esmc else "Transformers FP32",
+            "reference": "official ESMC FP32" if esmc else "Transformers T5 FP32" if ankh else "Transformers FP32",
             "matmul_peak": peaks,
-            **({"esmc_official": oracle} if esmc else {"esm_cpp": esmcpp}),
+            **({"esmc_official": oracle} if esmc else {} if ankh else {"esm_cpp": esmcpp}),
             "settings": {
                 "repeats": args.repeats,
                 "max_seconds": args.max_seconds,
                 "quick": args.quick,
                 "device": args.device,
+                "rss": "VmHWM",  # per-process peak (_peak_rss_mb); older records used getrusage (parent's floor)
             },
             "results": results,
         }

@@ -10,13 +10,17 @@ import random
 
 import torch
 
+from benchmarks.ankh import ankh_flops
 from benchmarks.embed import _length_sorted_batches, dataset_lengths, useful_flops
 from benchmarks.esmc import esmc_flops
 from benchmarks.report import OUT, pick_records, render
+from fastplms.configuration_ankh import ANKHConfig
 from fastplms.configuration_esm2 import ESM2Config
 from fastplms.configuration_esmc import ESMCConfig
+from fastplms.modeling_ankh import ANKHModel
 from fastplms.modeling_esm2 import ESM2Model
 from fastplms.modeling_esmc import ESMCModel
+from fastplms.oracles.t5 import T5Dims
 
 
 def test_docs_benchmarks_page_is_generated_from_the_committed_records():
@@ -57,3 +61,22 @@ def test_flop_models_count_the_models_matmul_weights():
     assert useful_flops(lengths, 3, 64) == _flops_from_modules(esm2, 3, 64, lengths)
     esmc = ESMCModel(ESMCConfig(hidden_size=96, num_hidden_layers=2, num_attention_heads=4))
     assert esmc_flops(lengths, 2, 96) == _flops_from_modules(esmc, 2, 96, lengths)
+
+
+def test_ankh_flop_model_counts_the_t5_encoders_matmul_weights():
+    """T5: T = L + 1 tokens (</s>), heads * d_kv-wide attention (here narrower than hidden), gated FFN, no biases;
+    the relative bias table lives outside the layers and is no matmul."""
+    lengths = [random.Random(i).randint(1, 900) for i in range(20)]
+    dims = T5Dims(2, 1, 64, 4, 8, 96, 144, "gated-gelu")
+    encoder = ANKHModel(
+        ANKHConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_decoder_layers=1,
+            num_attention_heads=4,
+            d_kv=8,
+            intermediate_size=96,
+        )
+    )
+    params, inner = _matmul_weights(encoder), dims.heads * dims.d_kv
+    assert ankh_flops(lengths, dims) == float(sum((n + 1) * 2 * params + 2 * 4 * inner * (n + 1) ** 2 for n in lengths))

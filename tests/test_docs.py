@@ -78,6 +78,11 @@ def test_parity_report_covers_every_checkpoint(family_id):
         mine = [r for r in records if r["checkpoint"] == checkpoint.id]
         forward = [r for r in mine if r.get("kind") == "forward"]
         shapes = [r for r in mine if r.get("kind") == "conversion_shapes"]
+        if checkpoint.from_snapshot and not (forward or shapes):
+            # Dims partly unknown offline (read from the snapshot at build): nothing to check them at; the
+            # report must say so.
+            assert any(note.startswith(f"{checkpoint.id}:") for note in report["notes"]), checkpoint.id
+            continue
         assert forward or shapes, f"{checkpoint.id}: neither forward-measured nor shape-checked"
         assert all(r["ok"] for r in shapes), [r["problems"] for r in shapes]
         for r in forward:

@@ -6,6 +6,7 @@
     python -m tools.measure_parity e1 [--checkpoints e1_150m,e1_300m] [--out reports/parity/e1.json]
     python -m tools.measure_parity dplm [--checkpoints dplm_150m] [--out reports/parity/dplm.json]
     python -m tools.measure_parity dplm2 [--out reports/parity/dplm2.json]
+    python -m tools.measure_parity ankh [--out reports/parity/ankh.json]
 
 What a family measures is its adapter's (`fastplms.families.<architecture>_parity.measure_report`):
 
@@ -28,6 +29,9 @@ the official mask), every position compared; the official sampler's goldens toke
 DPLM2: dplm2_150m against the official ByProt network goldens (homogeneous batches; mixed batches show the
 per-row split deviation) and the live Transformers recipe (FP32, BF16 autocast); the official sampler's goldens
 token for token; conversion shapes.
+
+ANKH: ankh_base at real dims and ANKH3-large's width at 4/2 layers against Transformers' T5 (eager): every encoder
+state, decoder logits, greedy generation; FP32 eager and sdpa, BF16 autocast sdpa; conversion shapes.
 
 `python -m tools.gen_docs` turns the report into docs/support.md.
 """

@@ -186,7 +186,15 @@ def build(
             "Pass --allow-unpinned to build from these weights anyway (they will be marked unofficial)."
         )
     pinned = not mismatched and bool(source.files)
-    config = adapter.make_config(family, checkpoint)
+    from_snapshot = {}
+    if checkpoint.from_snapshot:
+        if adapter.snapshot_config is None:
+            raise BuildError(
+                f"{checkpoint.id}: the manifest leaves {checkpoint.from_snapshot} to the snapshot, "
+                f"but the {family.name} adapter cannot read them"
+            )
+        from_snapshot = adapter.snapshot_config(snapshot, checkpoint)
+    config = adapter.make_config(family, checkpoint, **from_snapshot)
 
     # Stage beside `out`: os.replace cannot move a folder across filesystems (e.g. out of a tmpfs /tmp).
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +207,8 @@ def build(
         if adapter.tokenizer is not None:
             spec = adapter.tokenizer
             tokenizer = importlib.import_module(f"fastplms.{spec.module}")
-            tokenizer.tokenizer_files(staging, spec.vocab, spec.model_max_length)
+            vocab = snapshot if spec.vocab_from_snapshot else spec.vocab
+            tokenizer.tokenizer_files(staging, vocab, spec.model_max_length)
         shutil.copyfile(REPO_ROOT / "kernels.lock", staging / "kernels.lock")
         provenance = {
             "checkpoint": checkpoint.id,

@@ -38,7 +38,8 @@ sys.meta_path.insert(0, _NoFastplms())
 # tokenizer (empty: the family has none).
 LOAD_SCRIPT = (
     NO_FASTPLMS
-    + r"""import json
+    + r"""import inspect
+import json
 
 try:
     import fastplms  # noqa: F401
@@ -72,8 +73,11 @@ for name in sorted(config.auto_map):
     model = cls.from_pretrained(artifact, trust_remote_code=True).eval()
     if "fastplms" in sys.modules:
         raise SystemExit("fastplms was imported during loading")
+    # Decoder inputs (a sequence-to-sequence family's) go only to classes that take them.
+    takes = inspect.signature(model.forward).parameters
+    feed = {k: v for k, v in inputs.items() if not k.startswith("decoder_") or k in takes}
     with torch.no_grad():
-        out = model(**inputs)
+        out = model(**feed)
     tensor = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
     report["auto_classes"][name] = {
         "class": type(model).__name__, "module": type(model).__module__,

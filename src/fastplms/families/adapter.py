@@ -36,6 +36,8 @@ class Tokenizer:
     # Sequences `verify` encodes with the artifact's AutoTokenizer in the fresh process; the ids must
     # equal the example inputs for every key both have.
     check: tuple[str, ...]
+    # The vocabulary is the official snapshot's own files: `tokenizer_files(folder, snapshot, length)` is called.
+    vocab_from_snapshot: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class FamilyAdapter:
     tokenizer: Tokenizer | None  # None: the family's models take no tokenizer (raw sequences)
     parity: Parity
     usage: str  # the model card's "Use" example, a Python snippet with "<this repo>" as the model path
+    # A checkpoint's config fields the manifest leaves to the snapshot (`from_snapshot`): snapshot folder and
+    # checkpoint -> {field: value}, read from the official config.json; make_config takes them as keywords.
+    snapshot_config: Callable[[Path, Checkpoint], dict] | None = None
 
 
 # The "Use" example of a masked-LM family with an AutoTokenizer.
@@ -105,7 +110,8 @@ def tokenized_inputs(sequences: Sequence[str]) -> Callable[[Path], dict[str, tor
 
     def encode(artifact: Path) -> dict[str, torch.Tensor]:
         config = json.loads((artifact / "tokenizer_config.json").read_text(encoding="utf-8"))
-        module, name = config["auto_map"]["AutoTokenizer"][0].split(".")
+        slow, fast = config["auto_map"]["AutoTokenizer"]
+        module, name = (slow or fast).split(".")
         tokenizer = getattr(importlib.import_module(f"fastplms.{module}"), name).from_pretrained(str(artifact))
         return dict(tokenizer(list(sequences), padding=True, return_tensors="pt"))
 
