@@ -17,30 +17,27 @@ from __future__ import annotations
 
 import torch
 
-from ..configuration_dplm2 import DPLM2Config
 from ..convert.dplm import from_byprot
 from ..manifest import MANIFEST_DIR, Checkpoint, load_manifest
 from ..modeling_dplm2 import DPLM2ForMaskedLM, tracks_of
 from ..oracles.dplm2 import (
     dplm2_goldens,
-    dplm2_official_spec,
     dplm2_official_state_dict,
     dplm2_transformers_network,
     run_dplm2_network,
 )
-from ..oracles.esm2 import rotary_inv_freq
 from ..parity.driver import (
     ParityRun,
-    conversion_shapes_record,
     cpu_autocast,
     dims_record,
+    generation_record,
     hidden_states_record,
     logits_record,
-    meta_state_shapes,
     package_versions,
 )
 from ..parity.metrics import max_abs, relative_l2
-from .dplm_parity import build_dplm
+from ..tokenization_dplm2 import VOCAB_SIZE
+from .dplm_parity import build_dplm, check_byprot_conversion_shapes
 
 CHECKPOINT_ID = "dplm2_150m"  # the goldens' dims
 HOMOGENEOUS = ("packed", "aa_only")  # golden batches where the per-row and the batch-wide split agree
@@ -207,32 +204,14 @@ def measure_sampler(model: DPLM2ForMaskedLM, sampler: dict) -> list[dict]:
     for name, case in sampler["cases"].items():
         official = torch.tensor(case["output_tokens"])
         ours = run_golden_case(model, case)
-        records.append(
-            {
-                "kind": "generation",
-                "checkpoint": CHECKPOINT_ID,
-                "case": name,
-                "sampling_strategy": f"{case['sampling_strategy']}, {case['unmasking_strategy']}",
-                "max_iter": case["max_iter"],
-                "shape": list(official.shape),
-                "tokens_equal": int((ours == official).sum()),
-                "tokens": official.numel(),
-                "identical": bool(torch.equal(ours, official)),
-            }
-        )
+        strategy = f"{case['sampling_strategy']}, {case['unmasking_strategy']}"
+        records.append(generation_record(CHECKPOINT_ID, name, strategy, case["max_iter"], ours, official))
     return records
 
 
 def check_dplm2_conversion_shapes(checkpoint_id: str) -> dict[str, object]:
     checkpoint = dplm2_family().checkpoint(checkpoint_id)
-    layers, hidden, heads = checkpoint.dims
-    inv_freq = rotary_inv_freq(hidden // heads)
-    spec = dplm2_official_spec(layers, hidden, heads)
-    state = {k: inv_freq.clone() if k.endswith("inv_freq") else torch.empty(s, device="meta") for k, s in spec.items()}
-    config = DPLM2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
-    return conversion_shapes_record(
-        checkpoint, meta_state_shapes(DPLM2ForMaskedLM, config), {"byprot": from_byprot(state, heads, tied=False)}
-    )
+    return check_byprot_conversion_shapes(checkpoint, DPLM2ForMaskedLM, vocab=VOCAB_SIZE, tied=False)
 
 
 def versions() -> dict[str, str]:

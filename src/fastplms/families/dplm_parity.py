@@ -17,12 +17,11 @@ from collections.abc import Sequence
 import torch
 from transformers.initialization import no_init_weights
 
-from ..configuration_dplm import DPLMConfig
 from ..convert.dplm import from_byprot
 from ..manifest import MANIFEST_DIR, REPO_ROOT, Checkpoint, load_manifest
 from ..modeling_dplm import DPLMForMaskedLM
-from ..oracles.dplm import dplm_official_state_dict, dplm_transformers_network, run_dplm_network
-from ..oracles.esm2 import hf_esm2_spec, rotary_inv_freq
+from ..oracles.dplm import dplm_official_state_dict, dplm_transformers_network, official_spec, run_dplm_network
+from ..oracles.esm2 import rotary_inv_freq
 from ..parity.driver import (
     ParityRun,
     check_backends,
@@ -30,11 +29,13 @@ from ..parity.driver import (
     cpu_autocast,
     cpu_backends,
     dims_record,
+    generation_record,
     hidden_states_record,
     logits_record,
     meta_state_shapes,
     package_versions,
 )
+from ..tokenization_esm import ESM2_VOCAB
 from .esm2_parity import MASK_ID, esm2_panel
 
 SAMPLER_GOLDENS = REPO_ROOT / "tests" / "goldens" / "dplm_sampler.json"
@@ -161,33 +162,27 @@ def measure_sampler() -> list[dict[str, object]]:
         ours = run_golden_case(model, case)
         official = torch.tensor(case["output_tokens"])
         records.append(
-            {
-                "kind": "generation",
-                "checkpoint": "dplm_150m",  # the goldens' dims
-                "case": case["name"],
-                "sampling_strategy": case["sampling_strategy"],
-                "max_iter": case["max_iter"],
-                "shape": list(official.shape),
-                "tokens_equal": int((ours == official).sum()),
-                "tokens": official.numel(),
-                "identical": bool(torch.equal(ours, official)),
-            }
+            generation_record("dplm_150m", case["name"], case["sampling_strategy"], case["max_iter"], ours, official)
         )
     return records
 
 
-def check_dplm_conversion_shapes(checkpoint_id: str) -> dict[str, object]:
-    """The official layout at real dims as meta tensors (rotary buffers real), converted, against ours."""
-    checkpoint = dplm_family().checkpoint(checkpoint_id)
+def check_byprot_conversion_shapes(checkpoint: Checkpoint, model_class: type, *, vocab: int, tied: bool) -> dict:
+    """A ByProt checkpoint's official layout (`oracles.dplm.official_spec`) at real dims as meta tensors (rotary
+    buffers real), converted by `from_byprot`, against `model_class`'s state-dict layout."""
     layers, hidden, heads = checkpoint.dims
     inv_freq = rotary_inv_freq(hidden // heads)
-    spec = hf_esm2_spec(layers, hidden, heads)
-    del spec["lm_head.decoder.weight"]  # tied: saved once, as the embeddings
-    spec["esm.embeddings.position_embeddings.weight"] = (1026, hidden)
+    spec = official_spec(layers, hidden, heads, vocab=vocab, tied=tied)
     state = {k: inv_freq.clone() if k.endswith("inv_freq") else torch.empty(s, device="meta") for k, s in spec.items()}
-    config = DPLMConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
+    config = model_class.config_class(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
     return conversion_shapes_record(
-        checkpoint, meta_state_shapes(DPLMForMaskedLM, config), {"byprot": from_byprot(state, heads)}
+        checkpoint, meta_state_shapes(model_class, config), {"byprot": from_byprot(state, heads, tied=tied)}
+    )
+
+
+def check_dplm_conversion_shapes(checkpoint_id: str) -> dict[str, object]:
+    return check_byprot_conversion_shapes(
+        dplm_family().checkpoint(checkpoint_id), DPLMForMaskedLM, vocab=len(ESM2_VOCAB), tied=True
     )
 
 

@@ -150,3 +150,19 @@ def meta_state_shapes(model_class: type[torch.nn.Module], config: object) -> dic
     """Key -> shape of `model_class(config).state_dict()`, built on the meta device (no memory)."""
     with torch.device("meta"):
         return {key: tuple(value.shape) for key, value in model_class(config).state_dict().items()}
+
+
+def generation_record(checkpoint: str, case: str, strategy: str, steps: int, ours, official) -> dict[str, object]:
+    """One seeded generation run against the official sampler's tokens (tensors of one shape, or not)."""
+    same_shape = tuple(ours.shape) == tuple(official.shape)
+    return {
+        "kind": "generation",
+        "checkpoint": checkpoint,
+        "case": case,
+        "sampling_strategy": strategy,
+        "max_iter": steps,
+        "shape": list(official.shape),
+        "tokens_equal": int((ours == official).sum()) if same_shape else 0,
+        "tokens": official.numel(),
+        "identical": same_shape and bool((ours == official).all()),
+    }
