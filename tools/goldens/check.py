@@ -6,7 +6,10 @@ Standard library only: recipes run in their oracle's own venv.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -25,3 +28,14 @@ def check_against_committed(manifest_path: Path, models: Iterable[str], generate
         print(f"{name}: {status} (committed {want[:16]}, regenerated {got[:16]})")
     print(f"total {manifest['wall_seconds_total']}s")
     return 1 if bad else 0
+
+
+def run_official_stage(oracle: Path, module: str, *args: str, cwd: Path) -> float:
+    """Run `python -m <module> <args>` in the official environment's venv (`<oracle>/venv`), offline, one thread,
+    without this venv's PYTHONPATH/VIRTUAL_ENV; return its wall seconds. A failing stage raises."""
+    started = time.perf_counter()
+    command = [str(oracle / "venv" / "bin" / "python"), "-m", module, *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    subprocess.run(command, cwd=cwd, env=env, check=True)
+    return round(time.perf_counter() - started, 2)

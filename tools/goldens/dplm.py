@@ -57,7 +57,7 @@ import time  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tools.goldens.check import check_against_committed  # noqa: E402
+from tools.goldens.check import check_against_committed, run_official_stage  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "8b3425b7b7134aaf931baa5c53e0328da6a48a1f"  # bytedance/dplm, the commit shared/reference cites
@@ -758,7 +758,6 @@ def compare_in_env_network(state, golden_path: Path, ref, torch) -> dict:
 
 def generate_network(out_dir: Path, oracle: Path | None, work: Path | None) -> dict:
     """The project stage around the official one; returns the manifest entry ``models.dplm_network``."""
-    import subprocess
 
     import torch
 
@@ -793,15 +792,10 @@ def generate_network(out_dir: Path, oracle: Path | None, work: Path | None) -> d
     (work / "inputs.json").write_text(json.dumps(inputs) + "\n")
     prepare_seconds = round(time.perf_counter() - t0, 2)
 
-    t0 = time.perf_counter()
-    command = [
-        str(oracle / "venv" / "bin" / "python"), "-m", "tools.goldens.dplm", "--stage", "official-network",
-        "--official-env", str(oracle), "--work", str(work), "--out", str(out_dir),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
-    subprocess.run(command, cwd=REPO_ROOT, env=env, check=True)
-    official_seconds = round(time.perf_counter() - t0, 2)
+    official_seconds = run_official_stage(
+        oracle, "tools.goldens.dplm", "--stage", "official-network", "--official-env", str(oracle),
+        "--work", str(work), "--out", str(out_dir), cwd=REPO_ROOT,
+    )  # fmt: skip
     official = json.loads((work / "official_facts.json").read_text())
 
     t0 = time.perf_counter()

@@ -43,13 +43,12 @@ import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tools.goldens.check import check_against_committed  # noqa: E402
+from tools.goldens.check import check_against_committed, run_official_stage  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "8b3425b7b7134aaf931baa5c53e0328da6a48a1f"  # bytedance/dplm, as shared/reference/families.md cites it
@@ -721,15 +720,10 @@ def generate(out_dir: Path, oracle: Path | None, work: Path | None) -> dict:
     (work / "inputs.json").write_text(json.dumps(inputs) + "\n")
     prepare_seconds = round(time.perf_counter() - t0, 2)
 
-    t0 = time.perf_counter()
-    command = [
-        str(oracle / "venv" / "bin" / "python"), "-m", "tools.goldens.dplm2", "--stage", "official",
-        "--oracle", str(oracle), "--work", str(work), "--out", str(out_dir),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
-    subprocess.run(command, cwd=REPO_ROOT, env=env, check=True)
-    official_seconds = round(time.perf_counter() - t0, 2)
+    official_seconds = run_official_stage(
+        oracle, "tools.goldens.dplm2", "--stage", "official", "--oracle", str(oracle),
+        "--work", str(work), "--out", str(out_dir), cwd=REPO_ROOT,
+    )  # fmt: skip
     official = json.loads((work / "official_facts.json").read_text())
 
     t0 = time.perf_counter()
