@@ -39,3 +39,14 @@ def run_official_stage(oracle: Path, module: str, *args: str, cwd: Path) -> floa
     env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
     subprocess.run(command, cwd=cwd, env=env, check=True)
     return round(time.perf_counter() - started, 2)
+
+
+def oracle_folder(oracle: Path | None, variable: str, setup_script: str) -> Path:
+    """The oracle folder: `oracle` (from --oracle) or the `variable` environment variable, resolved; a clear
+    exit when neither is set, naming the setup script that makes one."""
+    if oracle is None:
+        value = os.environ.get(variable)
+        if not value:
+            raise SystemExit(f"set {variable} (or --oracle) to a folder made by tools/goldens/{setup_script}")
+        oracle = Path(value)
+    return oracle.resolve()

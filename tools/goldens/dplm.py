@@ -57,7 +57,7 @@ import time  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tools.goldens.check import check_against_committed, run_official_stage  # noqa: E402
+from tools.goldens.check import check_against_committed, oracle_folder, run_official_stage  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "8b3425b7b7134aaf931baa5c53e0328da6a48a1f"  # bytedance/dplm, the commit shared/reference cites
@@ -164,14 +164,7 @@ def official_tree_sha256(tree: Path) -> str:
 
 def locate_oracle(oracle: Path | None) -> Path:
     """The oracle folder (checked: at the pinned commit, outside the repository, with tree/ and site/)."""
-    if oracle is None:
-        env = os.environ.get("FASTPLMS_DPLM_ORACLE")
-        if not env:
-            raise SystemExit(
-                "set FASTPLMS_DPLM_ORACLE (or --oracle) to a folder made by tools/goldens/setup_dplm_oracle.sh"
-            )
-        oracle = Path(env)
-    oracle = oracle.resolve()
+    oracle = oracle_folder(oracle, "FASTPLMS_DPLM_ORACLE", "setup_dplm_oracle.sh")
     tree = oracle / "tree"
     if not all((tree / rel).is_file() for rel in OFFICIAL_FILES) or not (oracle / "site" / "omegaconf").is_dir():
         raise SystemExit(f"{oracle}: no tree/{OFFICIAL_FILES[0]} or site/omegaconf; run setup_dplm_oracle.sh")

@@ -48,7 +48,7 @@ import time  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tools.goldens.check import check_against_committed, run_official_stage  # noqa: E402
+from tools.goldens.check import check_against_committed, oracle_folder, run_official_stage  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "8b3425b7b7134aaf931baa5c53e0328da6a48a1f"  # bytedance/dplm, as shared/reference/families.md cites it
@@ -146,14 +146,7 @@ def tree_sha256(tree: Path) -> str:
 
 
 def locate_oracle(oracle: Path | None) -> Path:
-    if oracle is None:
-        env = os.environ.get("FASTPLMS_DPLM2_ORACLE")
-        if not env:
-            raise SystemExit(
-                "set FASTPLMS_DPLM2_ORACLE (or --oracle) to a folder made by tools/goldens/setup_dplm2_env.sh"
-            )
-        oracle = Path(env)
-    oracle = oracle.resolve()
+    oracle = oracle_folder(oracle, "FASTPLMS_DPLM2_ORACLE", "setup_dplm2_env.sh")
     commit = (oracle / COMMIT_FILE).read_text().strip() if (oracle / COMMIT_FILE).is_file() else "?"
     if commit != COMMIT:
         raise SystemExit(f"{oracle}: official tree is at {commit}, the recipe needs {COMMIT}; run setup_dplm2_env.sh")

@@ -34,7 +34,7 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tools.goldens.check import check_against_committed  # noqa: E402
+from tools.goldens.check import check_against_committed, oracle_folder  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("e1_150m", "e1_300m")
@@ -62,14 +62,7 @@ def tree_sha256(src: Path) -> str:
 
 def locate_oracle(oracle: Path | None) -> tuple[Path, str]:
     """Put the official ``src`` and the einops folder on sys.path; return (src, tree sha256)."""
-    if oracle is None:
-        env = os.environ.get("FASTPLMS_E1_ORACLE")
-        if not env:
-            raise SystemExit(
-                "set FASTPLMS_E1_ORACLE (or --oracle) to a folder made by tools/goldens/setup_e1_oracle.sh"
-            )
-        oracle = Path(env)
-    oracle = oracle.resolve()
+    oracle = oracle_folder(oracle, "FASTPLMS_E1_ORACLE", "setup_e1_oracle.sh")
     src, site = oracle / "tree" / "src", oracle / "site"
     if not (src / "E1" / "modeling.py").is_file() or not (src / "E1" / "tokenizer.json").is_file():
         raise SystemExit(f"{oracle}: no tree/src/E1/modeling.py + tokenizer.json; run setup_e1_oracle.sh")
