@@ -1,5 +1,6 @@
 """`embed_dataset`'s compiled path (src/fastplms/compiled.py): same numbers as the eager path, compiled
-only for large jobs (or when asked), cached on the model, rebuilt when the weights change.
+only where the measured eager rate says it pays back (or when asked), first batch always eager, dropped when
+measured slower, cached on the model, rebuilt when the weights change.
 
 One small seeded ESM2 is shared by the whole module so that it compiles once (tens of seconds on CPU).
 """
@@ -11,8 +12,8 @@ import random
 import pytest
 import torch
 
-import fastplms.plm_base as plm_base
-from fastplms.compiled import CompiledEmbedding
+import fastplms.compiled as compiled_module
+from fastplms.compiled import CompiledEmbedding, PathChoice
 from fastplms.configuration_esm2 import ESM2Config
 from fastplms.convert.esm2 import from_transformers
 from fastplms.modeling_esm2 import ESM2Model
@@ -72,13 +73,21 @@ def test_small_job_runs_eager_and_never_compiles(model, monkeypatch):
 def test_compiled_path_equals_eager_path(model, monkeypatch):
     sequences = random_sequences(LENGTHS, seed=1)
     eager = model.embed_dataset(sequences, compile=False, per_residue=True, pooling=("mean", "max", "cls"))
-    # A job counts as large from this many residues: this one does, so the default settings compile.
-    monkeypatch.setattr(plm_base, "COMPILE_MIN_RESIDUES", sum(LENGTHS))
+    # Any projected eager time pays back a compile: the default settings compile after the first batch.
+    monkeypatch.setattr(compiled_module, "COMPILE_MIN_SECONDS", 0.0)
+    # At these toy dims the compiled path may well time slower than eager; keep it for the comparison.
+    monkeypatch.setattr(compiled_module, "SLOWER_MARGIN", float("inf"))
+    batches = []
     compiled = model.embed_dataset(
-        sequences, per_residue=True, pooling=("mean", "max", "cls"), max_tokens_per_batch=512
+        sequences,
+        per_residue=True,
+        pooling=("mean", "max", "cls"),
+        max_tokens_per_batch=512,
+        progress=lambda *_: batches.append(_runner(model).calls),
     )
     runner = _runner(model)
     assert runner is not None and runner.calls > 0 and runner.compile_seconds is not None
+    assert batches[0] == 0 and batches[1] == 1  # the first batch ran eager: its result did not wait to compile
     for a, b in zip(compiled.records, eager.records, strict=True):
         assert a.id == b.id
         assert _rel(a.pooled, b.pooled) <= REL
@@ -161,3 +170,62 @@ def test_esmc_compiled_path_equals_eager_path():
             assert _rel(a.pooled, b.pooled) <= 5e-2
     finally:
         torch.set_num_threads(threads)
+
+
+def _mask(rows: int, tokens: int) -> torch.Tensor:
+    return torch.ones(rows, tokens, dtype=torch.long)
+
+
+def test_path_choice_compiles_only_where_it_pays_back(model):
+    """The decision itself, on given batch times (no clock): first batch eager, then the projection."""
+    runner = CompiledEmbedding(model)
+    big = PathChoice(runner, None, 1_000_000, 64)
+    assert big.next() == "eager"
+    big.record("eager", 1.0, _mask(10, 100), False)  # 1,000 tokens/s: 999,000 more residues take ~17 minutes
+    assert big.next() == "compiled"
+    small = PathChoice(CompiledEmbedding(model), None, 20_000, 64)
+    small.next()
+    small.record("eager", 1.0, _mask(10, 100), False)  # 19 s more: a compile would not pay back
+    assert small.next() == "eager" and small.next() == "eager"
+    unknown = PathChoice(CompiledEmbedding(model), None, None, 64)  # a one-shot iterator: size unknown
+    unknown.record("eager", 1.0, _mask(10, 100), False)
+    assert unknown.next() == "eager"
+    assert PathChoice(CompiledEmbedding(model), True, 10, 64).next() == "compiled"
+    assert PathChoice(CompiledEmbedding(model), False, 10**9, 64).next() == "eager"
+    assert PathChoice(None, None, 10**9, 64).next() == "eager"
+    warm = CompiledEmbedding(model)
+    warm.calls = 3  # compiled by an earlier job: no first eager batch needed
+    assert PathChoice(warm, None, 10, 64).next() == "compiled"
+
+
+def test_path_choice_drops_a_compiled_path_measured_slower(model):
+    runner = CompiledEmbedding(model)
+    choice = PathChoice(runner, None, 10**7, 64)
+    choice.record("eager", 1.0, _mask(10, 100), False)
+    assert choice.next() == "compiled"
+    choice.record("compiled", 9.0, _mask(10, 100), True)  # the compiling call: not a rate
+    runner.calls = 1
+    choice.record("compiled", 0.9, _mask(10, 100), False)  # faster so far, but one batch is not enough
+    assert choice.next() == "compiled" and not runner.slower
+    choice.record("compiled", 1.5, _mask(10, 100), False)  # 1.2 s per batch on average vs 1.0 eager
+    assert runner.slower and choice.next() == "eager"
+    # Later jobs of this model keep to eager, even though it has compiled; compile=True still forces it.
+    assert PathChoice(runner, None, 10**7, 64).next() == "eager"
+    assert PathChoice(runner, True, 10**7, 64).next() == "compiled"
+    # A faster compiled path stays (within the margin counts as not slower).
+    fast = CompiledEmbedding(model)
+    keep = PathChoice(fast, None, 10**7, 64)
+    keep.record("eager", 1.0, _mask(10, 100), False)
+    keep.record("compiled", 9.0, _mask(10, 100), True)
+    fast.calls = 1
+    for seconds in (1.02, 1.03, 0.95):
+        keep.record("compiled", seconds, _mask(10, 100), False)
+    assert not fast.slower and keep.next() == "compiled"
+
+
+def test_batch_cost_weighs_attention_by_width():
+    # Same tokens, wider rows: more attention work, so a higher cost (widths 200 vs 100, hidden 64).
+    assert compiled_module.batch_cost(_mask(1, 200), 64) > compiled_module.batch_cost(_mask(2, 100), 64)
+    padded = _mask(2, 100)
+    padded[1, 50:] = 0
+    assert compiled_module.batch_cost(padded, 64) == 100 * (384 + 100) + 50 * (384 + 50)

@@ -332,6 +332,15 @@ def test_token_budget_and_input_order() -> None:
     assert max(b for b, _ in capped.calls) == 7
 
 
+def test_first_batch_is_a_quarter_budget_so_the_first_result_comes_early() -> None:
+    model = ToyModel()
+    seqs = ["ACDEFGHIKL" * 4] * 200  # 42 tokens each: 97 rows fill a 4,096-token batch
+    embed_dataset(model, ENCODER, seqs, max_tokens_per_batch=4096)
+    (first_rows, width), *rest = model.calls
+    assert width == 42 and first_rows == 4096 // 4 // 42
+    assert [rows for rows, _ in rest] == [97, 200 - first_rows - 97]
+
+
 # ---------------------------------------------------------------- storage
 
 
@@ -524,3 +533,11 @@ def test_resume_after_sigkill(tmp_path: Path, name: str, monkeypatch: pytest.Mon
     final = read_embeddings(out)
     assert [r.index for r in final.records] == list(range(30))
     assert_same_records(final.records, embed_dataset(ToyModel(), ENCODER, make_inputs(30)).records, exact=False)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_activation_memory_is_kept_for_reuse_on_glibc() -> None:
+    from fastplms.embedding import reuse_freed_memory
+
+    assert reuse_freed_memory() is True  # set once per process; a second call is the cached answer
+    assert reuse_freed_memory() is True

@@ -6,7 +6,9 @@ masks are checked here, outside any compiled region, and the model compiles what
 ESM2 compiles the two halves of a layer around attention once and runs them for every layer, so the
 compile takes seconds rather than the minutes a whole-model graph takes on a CPU (and whole-model
 Inductor weight freezing was measured no faster here: docs/benchmarks.md). `embed_dataset` still uses
-this path only for jobs of at least `COMPILE_MIN_RESIDUES` residues, or once it is compiled already.
+this path only where it pays back (`PathChoice`): the first batch of a job always runs eager, so the first
+result never waits for a compile; the rest compiles only when the eager rate measured on that batch projects
+at least `COMPILE_MIN_SECONDS` more, and a compiled path measured slower than eager is dropped.
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ import torch
 
 from .attention import attend
 
-# Break-even between compile time and the compiled path's higher throughput, measured on 2 CPU cores
-# at ESM2-35M (docs/benchmarks.md): below it the eager path finishes first.
-COMPILE_MIN_RESIDUES = 80_000
+# Break-even between compile time and the compiled path's higher throughput: eager seconds the rest of a job
+# must be projected to take before compiling pays back. Measured on 2 CPU cores at ESM2-35M
+# (docs/benchmarks.md): a compile takes 4 s (warm Inductor cache) to 9 s (cold) and saves about a tenth.
+COMPILE_MIN_SECONDS = 300.0
+# A compiled path measured this much slower than eager (seconds per unit of `batch_cost`) is dropped.
+SLOWER_MARGIN = 0.03
+# Compiled batches timed (the compiling call excluded) before the compiled and eager rates are compared.
+COMPARE_AFTER = 2
 COMPILED_BACKENDS = ("sdpa",)
 
 
@@ -53,6 +60,7 @@ class CompiledEmbedding:
         self.functions: dict[Callable, Callable] = {}
         self.calls = 0
         self.compile_seconds: float | None = None
+        self.slower = False  # measured slower than the eager path (`PathChoice`)
 
     def compile(self, fn: Callable) -> Callable:
         compiled = self.functions.get(fn)
@@ -76,3 +84,64 @@ class CompiledEmbedding:
             self.compile_seconds = time.perf_counter() - started
         self.calls += 1
         return out
+
+
+def batch_cost(attention_mask: torch.Tensor, hidden: int) -> float:
+    """Work of one batch in units that make batches of any widths comparable: per row of T tokens,
+    T * (6 * hidden + T), proportional to an encoder layer's matmul FLOPs (24 hidden^2 per token for the
+    projections and MLP, 4 hidden per token pair for attention)."""
+    lengths = attention_mask.sum(-1).double()
+    return float((lengths * (6 * hidden + lengths)).sum())
+
+
+class PathChoice:
+    """Which path runs each batch of one `embed_dataset` job, from `compile` (True / False / None) and the
+    job's size; with None it measures both paths and decides.
+
+    The first batch runs eager (the first result never waits for a compile). The rest compiles if the eager
+    rate of that batch projects at least `COMPILE_MIN_SECONDS` for the remaining residues, or right away when
+    the model has compiled before. A compiled path measured slower than the eager one by `SLOWER_MARGIN` (over
+    `COMPARE_AFTER` batches after the compile) runs no more batches, in this job or later ones of the same
+    model (until its weights change). Compiling on one processor does not make it faster on every one.
+    """
+
+    def __init__(self, runner: CompiledEmbedding | None, compile: bool | None, residues: int | None, hidden: int):
+        self.runner, self.forced, self.residues, self.hidden = runner, compile, residues, hidden
+        self.compile: bool | None = None  # decided after the first eager batch
+        self.eager = [0.0, 0.0, 0]  # seconds, cost, residues
+        self.compiled = [0.0, 0.0, 0]  # seconds, cost, batches (the compiling call excluded)
+
+    @property
+    def measuring(self) -> bool:
+        return self.runner is not None and self.forced is None and not self.runner.slower
+
+    def next(self) -> str:
+        runner = self.runner
+        if runner is None or self.forced is False or (self.forced is None and runner.slower):
+            return "eager"
+        if self.forced or runner.calls > 0:
+            return "compiled"
+        if self.compile is None:
+            seconds, _, residues = self.eager
+            if not residues:
+                return "eager"
+            remaining = None if self.residues is None else self.residues - residues
+            self.compile = remaining is not None and remaining * seconds / residues >= COMPILE_MIN_SECONDS
+        return "compiled" if self.compile else "eager"
+
+    def record(self, path: str, seconds: float, attention_mask: torch.Tensor, compiled_now: bool) -> None:
+        """One batch's wall time on `path`; `compiled_now`: this call compiled (its time is not a rate)."""
+        cost = batch_cost(attention_mask, self.hidden)
+        if path == "eager":
+            self.eager[0] += seconds
+            self.eager[1] += cost
+            self.eager[2] += int(attention_mask.sum())  # tokens: residues plus a few specials per row
+            return
+        if compiled_now or not self.measuring or not self.eager[1]:
+            return
+        self.compiled[0] += seconds
+        self.compiled[1] += cost
+        self.compiled[2] += 1
+        if self.compiled[2] >= COMPARE_AFTER:
+            eager_rate, compiled_rate = self.eager[0] / self.eager[1], self.compiled[0] / self.compiled[1]
+            self.runner.slower = compiled_rate > eager_rate * (1 + SLOWER_MARGIN)

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import inspect
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from .attention import (
     pad,
     warn_eager_for_attentions,
 )
-from .compiled import COMPILE_MIN_RESIDUES, COMPILED_BACKENDS, CompiledEmbedding, weights_key
+from .compiled import COMPILED_BACKENDS, CompiledEmbedding, PathChoice, weights_key
 from .embedding import EmbeddingResult, ResidueEncoder, embed_dataset
 from .heads import MaskedLMHead
 
@@ -404,9 +405,10 @@ class FastPLMPreTrainedModel(PreTrainedModel):
     ) -> EmbeddingResult:
         """Embed a FASTA file, .txt file, mapping, list or (id, sequence) pairs; see fastplms docs.
 
-        `compile`: None (default) runs the compiled path (see `compiled.py`) for jobs of at least
-        `COMPILE_MIN_RESIDUES` residues or when this model has compiled it already, else eager;
-        True/False force it on or off. Both paths compute the same function.
+        `compile`: None (default) lets `compiled.PathChoice` pick per batch: the first batch eager, the rest
+        compiled where the measured eager rate says the compile pays back (or the model compiled before), and
+        eager again if the compiled path measures slower; True/False force it on or off. Both paths compute
+        the same function.
         """
         if dtype not in self.config.allowed_dtypes:
             raise ValueError(f"dtype {dtype!r} is not declared for {self.config.family}: {self.config.allowed_dtypes}")
@@ -415,21 +417,27 @@ class FastPLMPreTrainedModel(PreTrainedModel):
             torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
         )
         compiled = self._compiled_embedding(compile)
-        use_compiled = False
+        choice = PathChoice(compiled, compile, None, self.config.hidden_size)
 
         def plan(residues: int | None) -> None:
-            nonlocal use_compiled
-            if compiled is not None:
-                warm = compiled.calls > 0
-                use_compiled = bool(compile) or warm or (residues is not None and residues >= COMPILE_MIN_RESIDUES)
+            choice.residues = residues
 
         grouping = self.embedding_groups()
 
         def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, *key) -> torch.Tensor:
+            path = choice.next()
+            calls = compiled.calls if compiled is not None else 0
+            started = time.perf_counter()
             with autocast:
-                if use_compiled:
-                    return compiled(input_ids, attention_mask).float()
-                return self.embedding_forward(input_ids, attention_mask, *key).float()
+                if path == "compiled":
+                    out = compiled(input_ids, attention_mask).float()
+                else:
+                    out = self.embedding_forward(input_ids, attention_mask, *key).float()
+            if choice.measuring:
+                if out.device.type == "cuda":  # kernels run asynchronously: time them, not their launch
+                    torch.cuda.synchronize(out.device)
+                choice.record(path, time.perf_counter() - started, attention_mask, path == "compiled" and calls == 0)
+            return out
 
         fingerprint = {"dtype": dtype, "backend": self.attention_backend()}
         if output is not None:  # only an output can be resumed; in memory, the weights need no hash
