@@ -38,6 +38,20 @@ from benchmarks.ankh import (
     prepare_ankh_assets,
 )
 from benchmarks.ankh import FLOPS_FORMULA as ANKH_FLOPS_FORMULA
+from benchmarks.dplm import DPLM_RECORDS, DPLM_RECORDS_QUICK, dplm_cases, is_dplm, prepare_dplm_assets
+from benchmarks.e1 import (
+    E1_RECORDS,
+    E1_RECORDS_QUICK,
+    child_e1_official,
+    e1_cases,
+    e1_dims,
+    e1_flops,
+    e1_model_record,
+    is_e1,
+    prepare_e1_assets,
+)
+from benchmarks.e1 import FLOPS_FORMULA as E1_FLOPS_FORMULA
+from benchmarks.e1 import oracle_status as e1_oracle_status
 from benchmarks.esmc import FLOPS_FORMULA as ESMC_FLOPS_FORMULA
 from benchmarks.esmc import (
     ORACLE_PYTHON,
@@ -47,6 +61,8 @@ from benchmarks.esmc import (
     oracle_status,
     prepare_esmc_assets,
 )
+from benchmarks.gpu import child_ours_padded, gpu_cases
+from benchmarks.process import SMALL_RECORDS, run_process_case, small_cases
 from benchmarks.venvs import side_venv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,17 +82,22 @@ BUDGETS = (2048, 4096, 8192, 16384)
 HF_INPUT_BATCH = 16
 FAIR_TOKS_PER_BATCH = 4096  # fair-esm extract.py's default
 OURS_DEFAULT_BUDGET = 4096  # embed_dataset's max_tokens_per_batch default
-# The short profile runs these cases only (unless --all-cases): the comparison at a glance.
+# The short profile runs these cases only (unless --all-cases): the comparison at a glance, with the
+# Transformers budgets around the default so that its best budget is found on this profile too.
 SHORT_PROFILE_CASES = (
     "fastplms default",
     "fastplms default, compile=False",
+    "fastplms default, compile=True",
     "Transformers input order, batch 16",
+    "Transformers length-sorted 2048",
     "Transformers length-sorted 4096",
+    "Transformers length-sorted 8192",
     "fair-esm ESM2 toks_per_batch=4096",
     "esm-cpp",
 )
-# Manifest ids our builder accepts that the harness runs; esmc_* runs benchmarks/esmc.py, ankh_* benchmarks/ankh.py.
-MODEL_IDS = ("esm2_8m", "esm2_35m", "esm2_650m", "esmc_300m", "esmc_600m", "ankh_base")
+# Manifest ids our builder accepts that the harness runs; esmc_* runs benchmarks/esmc.py, ankh_* benchmarks/ankh.py,
+# dplm_* benchmarks/dplm.py, e1_* benchmarks/e1.py.
+MODEL_IDS = ("esm2_8m", "esm2_35m", "esm2_650m", "esmc_300m", "esmc_600m", "ankh_base", "dplm_150m", "e1_150m")
 
 
 def model_dims(model: str) -> tuple[int, int, int]:
@@ -90,6 +111,8 @@ def model_dims(model: str) -> tuple[int, int, int]:
 
 
 def dataset_lengths(profile: str, records: int, seed: int) -> list[int]:
+    if profile == "small":  # the whole-process job (benchmarks/process.py): log-normal lengths
+        profile = "lognormal"
     """Seeded lengths: `lognormal` (median ~300, sigma 0.6, capped at 1022) or `short` (uniform 100-140)."""
     rng = random.Random(f"{profile}-{seed}")
     if profile == "lognormal":
@@ -164,6 +187,10 @@ def prepare_assets(model: str, seed: int) -> dict[str, str]:
         return prepare_esmc_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
     if model.startswith("ankh"):
         return prepare_ankh_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
+    if is_dplm(model):
+        return prepare_dplm_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
+    if is_e1(model):
+        return prepare_e1_assets(model, seed, root, root / f"artifact-{runtime_digest()}")
     hf = root / "hf"
     if not (hf / "model.safetensors").exists():
         write_hf_snapshot(hf, layers, hidden, heads, seed=seed)
@@ -510,6 +537,8 @@ CHILDREN = {
     "ours": child_ours,
     "esmc-official": child_esmc_official,
     "transformers-t5": child_transformers_t5,
+    "e1-official": child_e1_official,  # benchmarks/e1.py
+    "ours-padded": child_ours_padded,  # benchmarks/gpu.py
 }
 
 
@@ -586,14 +615,14 @@ def plan_cases(args, peaks: dict | None, esmcpp: dict) -> list[dict]:
     for dtype in dtypes:
         for backend in ours_backends:
             cases.append({"engine": "ours", "label": f"fastplms {backend}", "backend": backend, "dtype": dtype})
-        if not args.quick:
+        for compile_flag in () if args.quick else (False, True):  # the default picks per job (PathChoice)
             cases.append(
                 {
                     "engine": "ours",
-                    "label": "fastplms default, compile=False",
+                    "label": f"fastplms default, compile={compile_flag}",
                     "backend": "default",
                     "dtype": dtype,
-                    "compile": False,
+                    "compile": compile_flag,
                 }
             )
     budgets = (4096,) if args.quick else tuple(args.budgets)
@@ -667,6 +696,8 @@ def mark_slow_bf16(cases: list[dict], args, peaks: dict | None) -> list[dict]:
 
 
 def spawn(case: dict, timeout: float) -> dict:
+    if case["engine"] == "process":
+        return run_process_case(case, REPO, timeout)
     if case["engine"] == "esm-cpp":
         command = [str(ESMCPP_PYTHON), str(ESMCPP_CHILD), json.dumps(case)]
     elif case["engine"] == "esmc-official":
@@ -749,18 +780,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="a small smoke run (about two minutes)")
     parser.add_argument(
-        "--records", type=int, default=None, help="records per profile (default 400, ankh 8; quick 48, ankh 4)"
+        "--records",
+        type=int,
+        default=None,
+        help="records per profile (default 400, ankh 8, dplm 64, e1 24; quick 48, ankh 4, dplm 16, e1 8)",
     )
     parser.add_argument(
         "--profile",
         action="append",
-        choices=("lognormal", "short"),
+        choices=("lognormal", "short", "small"),
         help="length profile(s) (default: both; quick: lognormal)",
     )
     parser.add_argument(
         "--model", default=None, choices=MODEL_IDS, help="dims (default esm2_35m on CPU, esm2_650m on CUDA)"
     )
-    parser.add_argument("--repeats", type=int, default=None, help="alternating repeats (default 3, ankh 1; quick 1)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="alternating repeats (default 3; ankh, dplm, e1 1; quick 1)"
+    )
     parser.add_argument(
         "--max-seconds",
         type=float,
@@ -791,10 +827,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.model.startswith("ankh"):  # ~100 residues/s on 2 cores: a dataset one run gets through in minutes
         args.records = args.records or (ANKH_RECORDS_QUICK if args.quick else ANKH_RECORDS)
         args.repeats = args.repeats or 1
+    # DPLM-150M, E1-150M: about four times ESM2-35M's cost per token (benchmarks/dplm.py, benchmarks/e1.py)
+    if is_dplm(args.model):
+        args.records = args.records or (DPLM_RECORDS_QUICK if args.quick else DPLM_RECORDS)
+        args.repeats = args.repeats or 1
+    if is_e1(args.model):
+        args.records = args.records or (E1_RECORDS_QUICK if args.quick else E1_RECORDS)
+        args.repeats = args.repeats or 1
     args.records = args.records or (48 if args.quick else 400)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.max_seconds = args.max_seconds or (15.0 if args.quick else 60.0)
-    profiles = args.profile or (["lognormal"] if args.quick else ["lognormal", "short"])
+    profiles = args.profile or (["lognormal"] if args.quick else ["lognormal", "short", "small"])
     command = "python -m benchmarks.embed " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
 
     started = time.strftime("%Y%m%dT%H%M%S")
@@ -802,22 +845,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] preparing assets ({args.model}, seed {args.seed}) in {CACHE}", flush=True)
     assets = prepare_assets(args.model, args.seed)
     esmc, ankh = args.model.startswith("esmc"), args.model.startswith("ankh")
+    dplm, e1 = is_dplm(args.model), is_e1(args.model)
+    family_run = esmc or ankh or dplm or e1  # not ESM2: no esm-cpp, short-profile filter or profiled runs
     if esmc:
         oracle = oracle_status()
-    elif not ankh:
+    elif e1:
+        oracle = e1_oracle_status()
+    elif not (ankh or dplm):
         esmcpp = esm_cpp_status() if not gpu else {"available": False, "error": "esm-cpp is a CPU engine"}
     layers, hidden, _heads = model_dims(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     timeout = args.max_seconds + 900
 
     for profile in profiles:
-        dataset = write_dataset(
-            CACHE / f"{profile}-{args.records}-seed{args.seed}.fasta", profile, args.records, args.seed
-        )
-        lengths = dataset_lengths(profile, args.records, args.seed)
+        small = profile == "small"  # whole processes (benchmarks/process.py), ESM2 on CPU only
+        if small and (family_run or gpu):
+            print("[bench] the small whole-process profile runs ESM2 on CPU only; skipped", flush=True)
+            continue
+        records = SMALL_RECORDS if small else args.records
+        dataset = write_dataset(CACHE / f"{profile}-{records}-seed{args.seed}.fasta", profile, records, args.seed)
+        lengths = dataset_lengths(profile, records, args.seed)
         if ankh:
             flops = ankh_flops(lengths, ankh_dims(args.model))
-        else:
+        elif e1:
+            flops = e1_flops(lengths, e1_dims(args.model))
+        else:  # ESM2 and DPLM (the ESM2 network): useful_flops
             flops = (esmc_flops if esmc else useful_flops)(lengths, layers, hidden)
         flops_per_residue = flops / sum(lengths)
         peak_runs = []
@@ -825,18 +877,26 @@ def main(argv: list[str] | None = None) -> int:
         if not gpu:
             peak_runs.append(spawn({"engine": "peak", "device": args.device}, timeout))
             peaks = peak_runs[-1].get("peak")
-        if ankh:
+        if small:
+            cases = small_cases()
+        elif ankh:
             cases = ankh_cases(args)
+        elif dplm:
+            cases = dplm_cases(args)
+        elif e1:
+            cases = e1_cases(args, oracle)
         else:
             cases = esmc_cases(args, oracle) if esmc else plan_cases(args, peaks, esmcpp)
+            if gpu and not esmc:  # benchmarks/gpu.py completes the CUDA plan
+                cases = gpu_cases(cases, args)
         cases = mark_slow_bf16(cases, args, peaks)
-        if profile == "short" and not args.all_cases and not (esmc or ankh):
+        if profile == "short" and not args.all_cases and not family_run:
             cases = [c for c in cases if c["label"] in SHORT_PROFILE_CASES]
         if args.only:
             cases = [c for c in cases if any(term in c["label"] for term in args.only.split("|"))]
         if args.dtype:
             cases = [c for c in cases if c["dtype"] == args.dtype]
-        if not args.no_profile_ops and not args.quick and profile == "lognormal" and not (esmc or ankh):
+        if not args.no_profile_ops and not args.quick and profile == "lognormal" and not family_run:
             # One profiled run each of ours and the best-known baseline: where each spends its time.
             profiled = {"dtype": "float32", "profile_ops": True, "repeats": 1}
             cases.append({"engine": "ours", "label": "fastplms default (profiled)", "backend": "default", **profiled})
@@ -866,9 +926,10 @@ def main(argv: list[str] | None = None) -> int:
                 if result.get("status") != "ok":
                     print(f"[bench]   {result.get('status')}: {result.get('error', '')[:300]}", flush=True)
                 else:
+                    first = result.get("time_to_first_result_s")  # whole-process cases have none
                     print(
-                        f"[bench]   {result['steady_res_per_s']:.0f} res/s steady, "
-                        f"first result {result['time_to_first_result_s']:.1f} s",
+                        f"[bench]   {result['steady_res_per_s']:.0f} res/s steady"
+                        + ("" if first is None else f", first result {first:.1f} s"),
                         flush=True,
                     )
             if not gpu and repeat + 1 < args.repeats:
@@ -881,11 +942,14 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 for name in ("float32", "bfloat16")
             }
+        reference_engine = (
+            "esmc-official" if esmc else "transformers-t5" if ankh else "e1-official" if e1 else "transformers"
+        )
         reference = next(
             (
                 runs[i][0]["check"]
                 for i, c in enumerate(cases)
-                if c["engine"] == ("esmc-official" if esmc else "transformers-t5" if ankh else "transformers")
+                if c["engine"] in (reference_engine, "process" if c.get("job") == "transformers" else None)
                 and c.get("batching") == "sorted"
                 and c["dtype"] == "float32"
                 and runs[i]
@@ -911,11 +975,11 @@ def main(argv: list[str] | None = None) -> int:
                 "hidden": hidden,
                 "heads": _heads,
                 "seed": args.seed,
-                **(ankh_model_record(args.model) if ankh else {}),
+                **(ankh_model_record(args.model) if ankh else e1_model_record(args.model) if e1 else {}),
             },
             "dataset": {
                 "profile": profile,
-                "records": args.records,
+                "records": records,
                 "residues": sum(lengths),
                 "median_length": statistics.median(lengths),
                 "max_length": max(lengths),
@@ -926,13 +990,29 @@ def main(argv: list[str] | None = None) -> int:
             if esmc
             else ANKH_FLOPS_FORMULA
             if ankh
+            else E1_FLOPS_FORMULA
+            if e1
             else (
                 "per sequence of L residues, T = L + 2 tokens: T * 2 * P + layers * 4 * hidden * T^2, "
                 "P = layers * (12 * hidden^2 + 9 * hidden); divided by the residues of the dataset"
             ),
-            "reference": "official ESMC FP32" if esmc else "Transformers T5 FP32" if ankh else "Transformers FP32",
+            "reference": "official ESMC FP32"
+            if esmc
+            else "Transformers T5 FP32"
+            if ankh
+            else "official E1 FP32"
+            if e1
+            else "Transformers FP32",
             "matmul_peak": peaks,
-            **({"esmc_official": oracle} if esmc else {} if ankh else {"esm_cpp": esmcpp}),
+            **(
+                {"esmc_official": oracle}
+                if esmc
+                else {"e1_official": oracle}
+                if e1
+                else {}
+                if ankh or dplm
+                else {"esm_cpp": esmcpp}
+            ),
             "settings": {
                 "repeats": args.repeats,
                 "max_seconds": args.max_seconds,

@@ -11,7 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.dplm import dplm_comparisons, is_dplm
+from benchmarks.e1 import e1_comparisons, is_e1
 from benchmarks.embed import _length_sorted_batches, dataset_lengths, esm2_matmul_params
+from benchmarks.gpu import gpu_comparisons, gpu_section, is_gpu_record
 
 REPO = Path(__file__).resolve().parent.parent
 REPORTS = REPO / "reports" / "benchmarks"
@@ -301,51 +304,126 @@ def targets(data: dict) -> list[tuple[str, str, str]]:
         return esmc_targets(data)
     if _is_ankh(data):
         return ankh_targets(data)
-    results = data["results"]
-    ours = _find(results, engine="ours", backend="default", dtype="float32", label="fastplms default")
-    ours = ours[0] if ours else None
-    sorted_fp32 = _best(_find(results, engine="transformers", batching="sorted", dtype="float32"))
-    input16 = _best(_find(results, engine="transformers", batching="input16"))
-    ours_bf16 = _find(results, engine="ours", backend="default", dtype="bfloat16", label="fastplms default")
-    sorted_bf16 = _best(_find(results, engine="transformers", batching="sorted", dtype="bfloat16"))
-    int8 = _best(_find(results, engine="esm-cpp", dtype="int8"))
-    rows = []
+    return esm2_targets(data)
 
-    def ratio(name, a, b, want):
+
+NOISE_FLOOR = 0.05  # identical runs on a shared 2-core VM differ by up to about 5% (docs/benchmarks.md)
+
+
+def _noise(*rows: dict) -> float:
+    """Relative spread (max - min) / median of the rows' rates over repeats, at least NOISE_FLOOR."""
+    spreads = [NOISE_FLOOR]
+    for row in rows:
+        rate = row["summary"]["steady_res_per_s"]
+        spreads.append((rate["max"] - rate["min"]) / rate["median"])
+    return max(spreads)
+
+
+def _no_native_bf16(data: dict) -> str | None:
+    """Why the BF16 cases did not run (the harness's skip reason), or None if they ran."""
+    for row in data["results"]:
+        if row["case"]["dtype"] == "bfloat16" and row["summary"].get("status") == "skipped":
+            peak = data.get("matmul_peak") or {}
+            return (
+                f"not run: no native BF16 on this CPU (torch.mm BF16 peak {_num(peak['bfloat16']['gflops'], 2)} vs "
+                f"FP32 {_num(peak['float32']['gflops'], 1)} GFLOP/s)"
+                if peak
+                else "not run: no native BF16 on this CPU"
+            )
+    return None
+
+
+def esm2_targets(data: dict) -> list[tuple[str, str, str]]:
+    """Issue 15's targets on one ESM2 record (every profile; the small job as whole processes)."""
+    results, profile = data["results"], data["dataset"]["profile"]
+    small = profile == "small"
+    rows: list[tuple[str, str, str]] = []
+
+    def ratio(name: str, a: dict | None, b: dict | None, want: float, extra: str = "") -> None:
         if a is None or b is None:
             rows.append((name, "not measured in this run", "n/a"))
             return
         value = _steady(a) / _steady(b)
-        rows.append(
-            (
-                name,
-                f"{value:.2f}x ({_num(_steady(a))} vs {_num(_steady(b))} res/s)",
-                "met" if value >= want else "missed",
-            )
-        )
+        measured = f"{value:.2f}x ({_num(_steady(a))} vs {_num(_steady(b))} res/s){extra}"
+        verdict = "met" if value >= want else f"missed by {1 - value / want:.0%} (needs {_num(want * _steady(b))})"
+        rows.append((name, measured, verdict))
 
-    ratio("FP32 >= 1.3x Transformers length-sorted at its best budget", ours, sorted_fp32, 1.3)
-    ratio("FP32 >= 3x Transformers input order, batch 16", ours, input16, 3.0)
-    if ours is not None and "fraction_of_fp32_peak" in ours["summary"]:
+    if small:
+        ours = next(iter(_find(results, engine="process", job="fastplms")), None)
+        sorted_fp32 = _best(_find(results, engine="process", job="transformers", batching="sorted"))
+        input16 = _best(_find(results, engine="process", job="transformers", batching="input16"))
+        how = " as whole processes (start, imports, model load, output written)"
+    else:
+        ours = next(iter(_find(results, engine="ours", dtype="float32", label="fastplms default")), None)
+        sorted_fp32 = _best(_find(results, engine="transformers", batching="sorted", dtype="float32"))
+        input16 = _best(_find(results, engine="transformers", batching="input16", dtype="float32"))
+        how = ""
+    best_label = f", its best: {sorted_fp32['case']['label']}" if sorted_fp32 else ""
+    ratio(f"FP32 >= 1.3x Transformers length-sorted at its best budget{how}", ours, sorted_fp32, 1.3, best_label)
+    ratio(f"FP32 >= 3x Transformers input order, batch 16{how}", ours, input16, 3.0)
+    if not small:
+        no_bf16 = _no_native_bf16(data)
+        ours_bf16 = next(iter(_find(results, engine="ours", dtype="bfloat16", label="fastplms default")), None)
+        sorted_bf16 = _best(_find(results, engine="transformers", batching="sorted", dtype="bfloat16"))
+        name = "BF16 >= 1.5x Transformers BF16 at its best budget"
+        if no_bf16 and ours_bf16 is None:
+            rows.append((name, no_bf16, "n/a: no native BF16 here"))
+        else:
+            frac = (ours_bf16 or {}).get("summary", {}).get("fraction_of_dtype_peak")
+            ratio(name, ours_bf16, sorted_bf16, 1.5, "" if frac is None else f"; {frac:.0%} of the BF16 peak")
+    if profile == "lognormal" and ours is not None and "fraction_of_fp32_peak" in ours["summary"]:
         frac = ours["summary"]["fraction_of_fp32_peak"]
         rows.append(
             (
-                "FP32 >= 80% of the FP32 roofline (model FLOP/s / measured matmul peak)",
+                "FP32 >= 80% of the FP32 matmul peak (model FLOP/s / measured peak)",
                 f"{frac:.0%} ({_num(ours['summary']['model_gflops'], 1)} GFLOP/s)",
-                "met" if frac >= 0.8 else "missed",
+                "met" if frac >= 0.8 else f"missed by {0.8 - frac:.0%} of the peak",
             )
         )
-    ratio("BF16 >= 1.2x best Transformers BF16", ours_bf16[0] if ours_bf16 else None, sorted_bf16, 1.2)
-    ratio("BF16 >= 1.25x esm-cpp INT8", ours_bf16[0] if ours_bf16 else None, int8, 1.25)
-    if ours is not None and sorted_fp32 is not None:
-        same = _find(results, engine="transformers", batching="sorted", dtype="float32", budget=4096)
-        ref = same[0] if same else sorted_fp32
-        a, b = ours["summary"]["peak_rss_mb"]["median"], ref["summary"]["peak_rss_mb"]["median"]
+    if not small and ours is not None:
+        alternatives = [
+            r
+            for r in _find(results, engine="ours")
+            if r is not ours and r["case"]["dtype"] == ours["case"]["dtype"] and r["case"]["label"] != "fastplms sdpa"
+        ]
+        best = _best(alternatives)
+        if best is not None:
+            noise = _noise(ours, best)
+            behind = 1 - _steady(ours) / _steady(best)
+            rows.append(
+                (
+                    "the default never loses to an alternative (compile on/off, budget, backend) by more than noise",
+                    f"default {_num(_steady(ours))} vs the fastest alternative, {best['case']['label']}, "
+                    f"{_num(_steady(best))} res/s ({-behind:+.1%}; noise +-{noise:.0%})",
+                    "met" if behind <= noise else f"missed by {behind - noise:.0%} beyond noise",
+                )
+            )
+        firsts = [
+            r
+            for r in _find(results, engine="transformers", batching="sorted", dtype="float32")
+            if r["summary"].get("time_to_first_result_s")
+        ]
+        if firsts and ours["summary"].get("time_to_first_result_s"):
+            theirs = min(firsts, key=lambda r: r["summary"]["time_to_first_result_s"]["median"])
+            a = ours["summary"]["time_to_first_result_s"]["median"]
+            b = theirs["summary"]["time_to_first_result_s"]["median"]
+            rows.append(
+                (
+                    "first result no later than Transformers' first result + 1 s",
+                    f"{a:.1f} s vs {b:.1f} s ({theirs['case']['label']}, its earliest)",
+                    "met" if a <= b + 1 else f"missed by {a - b - 1:.1f} s",
+                )
+            )
+    same_budget = [r for r in _find(results, batching="sorted", budget=4096) if r["case"]["dtype"] == "float32"]
+    same_budget = [r for r in same_budget if r["case"]["engine"] in ("transformers", "process")]
+    if ours is not None and same_budget and ours["summary"].get("peak_rss_mb"):
+        a, b = ours["summary"]["peak_rss_mb"]["median"], same_budget[0]["summary"]["peak_rss_mb"]["median"]
         rows.append(
             (
-                f"peak RSS <= Transformers length-sorted at the same budget ({ref['case']['budget']})",
+                "peak RSS <= Transformers length-sorted at the same budget (4096)"
+                + (" (sampled every 50 ms)" if small else ""),
                 f"{_num(a)} MB vs {_num(b)} MB",
-                "met" if a <= b else "missed",
+                "met" if a <= b else f"missed by {_num(a - b)} MB",
             )
         )
     if ours is not None and ours["summary"].get("max_rel_err_vs_transformers_fp32") is not None:
@@ -372,6 +450,32 @@ def _costs(row: dict) -> dict[str, float]:
     attention = sum(op["self_s"] for op in ops if any(n in op["op"] for n in ATTENTION_OPS))
     per = 1000 / residues
     return {"gemm": gemm * per, "attention": attention * per, "other": (total - gemm - attention) * per}
+
+
+def input_order_bound(data: dict) -> list[str]:
+    """Why 3x Transformers' input order cannot hold where its batches barely pad: the rate 3x would take,
+    as a fraction of the measured FP32 matmul peak (useful FLOPs only)."""
+    results, ds, peak = data["results"], data["dataset"], data.get("matmul_peak") or {}
+    small = ds["profile"] == "small"
+    engine = "process" if small else "transformers"
+    input16 = _best(_find(results, engine=engine, batching="input16", dtype="float32"))
+    if input16 is None or not peak:
+        return []
+    lengths = dataset_lengths(ds["profile"], ds["records"], data["model"]["seed"])
+    tokens = [n + 2 for n in lengths]
+    chunks = [tokens[i : i + 16] for i in range(0, len(tokens), 16)]
+    padded = sum(max(chunk) * len(chunk) for chunk in chunks)
+    waste = 1 - sum(tokens) / padded
+    need = 3 * _steady(input16) * data["flops_per_residue"] / 1e9
+    frac = need / peak["float32"]["gflops"]
+    if frac < 0.9:
+        return []
+    return [
+        f"- **3x input order.** Transformers' input-order batches (16 records in file order) pad "
+        f"{waste:.0%} of their tokens on this profile, so 3x its {_num(_steady(input16))} res/s would take "
+        f"{_num(need, 1)} GFLOP/s of useful work, {frac:.0%} of the measured FP32 matmul peak: no exact FP32 "
+        "engine reaches that here. The target is met where input order pads a lot (the log-normal profile)."
+    ]
 
 
 def analysis(data: dict) -> list[str]:
@@ -421,22 +525,26 @@ def analysis(data: dict) -> list[str]:
             "less attention per residue, so the FP32 ratio above flatters fastplms slightly. Raise "
             "`--max-seconds` or lower `--records` for a run where both finish."
         )
-    if ours and eager:
-        a, b = ours[0]["summary"], eager[0]["summary"]
+    forced = _find(results, engine="ours", label="fastplms default, compile=True", dtype="float32")
+    if forced and eager:
+        a, b = forced[0]["summary"], eager[0]["summary"]
         rate_c, rate_e = a["steady_res_per_s"]["median"], b["steady_res_per_s"]["median"]
-        line = f"- **Compiled vs eager path.** Steady {_num(rate_c)} vs {_num(rate_e)} res/s ({rate_c / rate_e:.2f}x)"
-        if a.get("compile_s") and a.get("time_to_first_result_s") and b.get("time_to_first_result_s"):
-            extra = a["time_to_first_result_s"]["median"] - b["time_to_first_result_s"]["median"]
-            line += f"; compiling delays the first result by {extra:.1f} s"
-            if rate_c > rate_e and extra > 0:
-                break_even = extra / (1 / rate_e - 1 / rate_c)
-                line += (
-                    f", repaid after about {_num(break_even)} residues (the break-even behind "
-                    "`COMPILE_MIN_RESIDUES`: smaller jobs run eager and never compile)"
-                )
-            elif rate_c <= rate_e:
-                line += ": the compiled path does not pay off here"
-        out.append(line + ".")
+        line = (
+            f"- **Compiled vs eager path.** compile=True {_num(rate_c)} vs compile=False {_num(rate_e)} res/s steady "
+            f"({rate_c / rate_e:.2f}x)"
+        )
+        if a.get("compile_s"):
+            line += f"; the compile took {a['compile_s']['median']:.1f} s"
+            if rate_c > rate_e:
+                break_even = a["compile_s"]["median"] / (1 / rate_e - 1 / rate_c)
+                line += f", repaid after about {_num(break_even)} residues"
+            else:
+                line += ", never repaid here"
+        out.append(
+            line + ". The default (`compiled.PathChoice`) runs the first batch eager, compiles only when the eager "
+            "rate projects at least `COMPILE_MIN_SECONDS` for the rest of the job, and drops a compiled path "
+            "measured slower; the *notes* column says which path each row ran."
+        )
     sweep = _find(results, engine="ours", dtype="float32", backend="default")
     sweep = [r for r in sweep if r["case"]["label"].startswith("fastplms max_tokens_per_batch=") or r in ours]
     if len(sweep) > 1:
@@ -466,6 +574,7 @@ def analysis(data: dict) -> list[str]:
             "sequence span on the packed tokens); the compiled path compiles the layer halves around it: "
             f"{_num(_steady(bf16[0]))} vs {_num(_steady(bf16_eager[0]))} res/s (compiled vs eager)."
         )
+    out += input_order_bound(data)
     cpp = _find(results, engine="esm-cpp")
     isa = (data.get("esm_cpp") or {}).get("isa")
     if cpp and isa and not isa.startswith("avx512") and isa != "amx":
@@ -490,7 +599,8 @@ def render(paths: list[Path]) -> str:
         + ". Do not edit: rerun the benchmark and the generator. -->",
         "",
         "Throughput of `model.embed_dataset` against the ways people run each model today (ESM2: Transformers, "
-        "fair-esm, esm-cpp; ESMC: the official `esm` package; ANKH: Transformers' T5 encoder), on the same seeded "
+        "fair-esm, esm-cpp; ESMC: the official `esm` package; ANKH: Transformers' T5 encoder; DPLM: Transformers' "
+        "`EsmModel`; E1: Profluent's official code), on the same seeded "
         "official-layout weights and the same seeded dataset, each case in its own subprocess, cases "
         "alternating, the whole list repeated. Rates are residues per second; the main column is the "
         "steady rate (after the first batch), with the median and, in brackets, the range over repeats.",
@@ -521,6 +631,15 @@ def render(paths: list[Path]) -> str:
         lines.append(f"| esm-cpp | {_esmcpp(esm_cpp)} |")
     if oracle is not None:
         lines.append(f"| official ESMC | EvolutionaryScale `esm` {oracle.get('version', '–')} in `.venv-esmc` |")
+    e1_oracle = next((d["e1_official"] for d in records if "e1_official" in d), None)
+    if e1_oracle is not None:
+        lines.append(f"| official E1 | {_e1_oracle(e1_oracle)} |")
+    if any(is_dplm(d["model"]["id"]) for d in records):
+        lines.append(
+            '| Transformers (DPLM) | `EsmModel.from_pretrained(snapshot, attn_implementation="sdpa")` on the '
+            "airkingbd-layout snapshot (the DPLM network oracle: bytedance/dplm's `EsmForDPLM` is Transformers' Esm "
+            "with the mask `input_ids != <pad>`) |"
+        )
     if any(_is_ankh(d) for d in records):
         lines.append(
             '| Transformers T5 | `T5EncoderModel.from_pretrained(snapshot, attn_implementation="eager")` (the '
@@ -531,6 +650,9 @@ def render(paths: list[Path]) -> str:
             f"; T5 v1.1 encoder: d_kv {model['d_kv']}, d_ff {model['d_ff']}, {model['activation']}, relative "
             f"bias (the {model['decoder_layers']}-layer decoder is in the artifact, unused here)"
             if "d_kv" in model
+            else f"; {model['kv_heads']} KV heads, gated SiLU FFN {model['intermediate']}, one layer in "
+            f"{model['global_every']} block-causal (global)"
+            if "kv_heads" in model
             else ""
         )
         lines.append(
@@ -555,7 +677,10 @@ def render(paths: list[Path]) -> str:
         "with F = 8/3 hidden rounded up to 256); ANKH (T5 encoder, T = L + 1 tokens with `</s>`): "
         "`T * 2 * P + layers * 4 * inner * T^2` with `P = layers * (4 * hidden * inner + 3 * hidden * d_ff)` and "
         "`inner = heads * d_kv` (bias-free q, k, v, o and the gated FFN's wi_0, wi_1, wo; the relative position "
-        "bias is a gather and an add, not counted). Model GFLOP/s = steady residues/s x FLOPs per residue; "
+        "bias is a gather and an add, not counted); DPLM: ESM2's (the same network); E1 (T = L + 4 tokens, "
+        "`<bos> 1 ... 2 <eos>`): `P = layers * (2 * hidden^2 + 2 * hidden * kv + 3 * hidden * F)` with "
+        "`kv = kv_heads * head_dim` (bias-free q, o, k, v and the gated SiLU FFN). Model GFLOP/s = steady "
+        "residues/s (ANKH and E1: end to end) x FLOPs per residue; "
         "padding and recomputation count as waste.",
         "",
         "| model | profile | records | residues | median length | FLOPs/residue | FP32 peak GFLOP/s | "
@@ -571,7 +696,8 @@ def render(paths: list[Path]) -> str:
             f"{_num(peak.get('bfloat16', {}).get('gflops'), 2)} |"
         )
     for data in records:
-        ds, ankh = data["dataset"], _is_ankh(data)
+        # ANKH and E1 cases start with an untimed warm-up and are rated end to end (a few batches each).
+        ds, ankh = data["dataset"], _is_ankh(data) or is_e1(data["model"]["id"])
         # ANKH has no compiled path; its cases start with an untimed warm-up call instead.
         extra_key, extra = ("warmup_s", "warm-up s") if ankh else ("compile_s", "compile s")
         lines += [
@@ -608,17 +734,22 @@ def render(paths: list[Path]) -> str:
                 f"{_num(gflops, 1)} | {'–' if frac is None else f'{frac:.0%}'} | "
                 f"{_err(summary)} | {_loads(row['runs'])} | {_status(summary, paths=not ankh)} |"
             )
-        if ankh:  # no targets: the comparison with the Transformers T5 baseline of the same run
+        own = _own_comparisons(data)
+        if own is not None:  # DPLM, E1, GPU runs (benchmarks/dplm.py, e1.py, gpu.py)
+            lines += ["", f"### {own[0]}", "", "| comparison | measured | verdict |", "| --- | --- | --- |"]
+            lines += [f"| {a} | {b} | {c} |" for a, b, c in own[1]]
+        elif _is_ankh(data):  # no targets: the comparison with the Transformers T5 baseline of the same run
             lines += ["", "### fastplms against Transformers' T5 encoder (same run)", ""]
             lines += ["| comparison | measured | verdict |", "| --- | --- | --- |"]
             lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(data)]
-        elif ds["profile"] == "lognormal":
-            lines += ["", "### Targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
+        elif data["model"]["id"].startswith("esmc"):
+            lines += ["", "### fastplms against the official ESMC (same run)", ""]
+            lines += ["| comparison | measured | verdict |", "| --- | --- | --- |"]
             lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(data)]
-        else:  # the issue sets its targets on the log-normal profile: here the same ratios, for reference
-            lines += ["", "### The same comparisons (targets apply to the log-normal profile only)", ""]
-            lines += ["| comparison | measured |", "| --- | --- |"]
-            lines += [f"| {a} | {b} |" for a, b, _ in targets(data)]
+        else:  # ESM2: issue 15's targets hold on every profile, checked on the machine this record ran on
+            lines += ["", f"### Targets ({machine_line(data['machine'])})", ""]
+            lines += ["| target | measured | verdict |", "| --- | --- | --- |"]
+            lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(data)]
         notes = analysis(data)
         if notes:
             lines += ["", "### Findings", "", *notes]
@@ -635,8 +766,33 @@ def render(paths: list[Path]) -> str:
                 "| --- | --- | --- |",
             ]
             lines += [f"| `{op['op']}` | {op['share']:.1%} | {op['self_s']:.2f} |" for op in summary["ops"]]
-    lines += ["", *NOTES]
+    lines += ["", *gpu_section(records)]
+    lines += [*NOTES]
     return "\n".join(lines) + "\n"
+
+
+def _own_comparisons(data: dict) -> tuple[str, list[tuple[str, str, str]]] | None:
+    """(heading, rows) of the records whose comparisons live in their own module: GPU runs, DPLM, E1."""
+    model = data["model"]["id"]
+    if is_gpu_record(data):
+        return "GPU: targets and comparisons (same run)", gpu_comparisons(data)
+    if is_dplm(model):
+        return "fastplms against Transformers' EsmModel (same run, no targets)", dplm_comparisons(data)
+    if is_e1(model):
+        return "fastplms against the official E1 (same run, no targets)", e1_comparisons(data)
+    return None
+
+
+def _e1_oracle(status: dict) -> str:
+    if status.get("available"):
+        return f"Profluent-AI/E1 `{status['commit'][:7]}` (official code and einops 0.8.1 in the project venv)"
+    return f"unavailable: {status.get('error', '')}".replace("\n", " ").replace("|", "/")[:300]
+
+
+def machine_line(machine: dict) -> str:
+    """The processor a record's targets were checked on, with its vector ISA."""
+    isa = [f for f in machine.get("isa_flags", []) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")]
+    return f"checked on {machine['cpu']}, {machine['cores']} cores, {' '.join(isa) or 'no AVX2'}"
 
 
 def _machine_key(machine: dict) -> tuple:
@@ -658,10 +814,15 @@ NOTES = [
     "## How to read this",
     "",
     "- **fastplms default** is `model.embed_dataset(fasta)` with nothing else set: length-sorted, "
-    "padding-free batches; jobs of at least `COMPILE_MIN_RESIDUES` residues (see `compiled.py`) run the "
-    "compiled path, whose compile time is included in its first result and listed under *compile s*. "
-    "**compile=False** is the same call on the eager path. Backend rows load the artifact with that "
+    "padding-free batches, the first at a quarter of the budget; `compiled.PathChoice` runs the first batch "
+    "eager and compiles the rest only when the measured eager rate projects at least `COMPILE_MIN_SECONDS` "
+    "(then *compile s* is the compiling batch's time). **compile=False** / **compile=True** force the eager or "
+    "the compiled path (compile=True compiles on the first batch). Backend rows load the artifact with that "
     "`attn_implementation`; `flex_attention` runs the eager path (flex compiles its own kernel).",
+    "- **The small job** (profile `small`: 250 log-normal records) is measured as whole processes: `fastplms "
+    "embed` (the CLI, SQLite output) against the script a Transformers user writes (`benchmarks/process.py`: "
+    "`EsmModel` sdpa, length-sorted or input order, mean pooling, one `.npy`), each timed from spawn to exit "
+    "(interpreter start, imports, model load and output included); peak RSS is sampled every 50 ms.",
     "- **Transformers input order** is `EsmModel` (sdpa) over batches of 16 records in file order, padded "
     "to the longest; **length-sorted N** sorts records longest first and fills batches while records x "
     "padded width stays within N tokens. BF16 rows use `torch.autocast`.",
@@ -682,8 +843,8 @@ NOTES = [
     "- **ESMC runs** (`--model esmc_300m` or `esmc_600m`) compare fastplms with the official EvolutionaryScale "
     "`ESMC` (its `_tokenize` padding, `sequence_tokens` only, SDPA), length-sorted under each budget, in its own "
     "venv (`tools/goldens/setup_esmc_venv.sh`, set up on first use); both load the same seeded official "
-    "`.pth`. No Transformers, fair-esm or esm-cpp ESMC exists. fastplms compiles ESMC as it does ESM2, for "
-    "jobs of at least `COMPILE_MIN_RESIDUES` residues; the *notes* column says which path a row ran.",
+    "`.pth`. No Transformers, fair-esm or esm-cpp ESMC exists. fastplms picks ESMC's compiled or eager path as "
+    "it does ESM2's (`compiled.PathChoice`); the *notes* column says which path a row ran.",
     "- **ANKH runs** (`--model ankh_base`) compare fastplms (`embed_dataset` on the artifact: SDPA by default, "
     "and with eager attention) with Transformers' `T5EncoderModel` (eager, the only T5 attention in "
     "Transformers 5) loaded from the seeded ElnaggarLab-layout snapshot the artifact is built from, in input "
@@ -693,13 +854,28 @@ NOTES = [
     "not dominated by first-call costs, and is rated end to end (the first column of its table; *model GFLOP/s* "
     "too): its steady rate would leave out the first batch, which is most of the work. There is no compiled "
     "ANKH path. BF16 cases run with `--dtype bfloat16`.",
+    "- **DPLM runs** (`--model dplm_150m`) compare fastplms `embed_dataset` (default settings) with Transformers' "
+    "`EsmModel` (sdpa) loaded from the seeded airkingbd-layout (ByProt) snapshot the artifact is built from, in "
+    "input order (batches of 16) and length-sorted under 2048 and 4096 padded tokens, through the ESM2 cases' "
+    "children. DPLM's official mask (`input_ids != <pad>`: every position a query, valid keys only) is what the "
+    "tokenizer's attention mask gives Transformers; embeddings are the mean over residues on both sides.",
+    "- **E1 runs** (`--model e1_150m`) compare fastplms `embed_dataset` (single sequences, no retrieval context) "
+    "with Profluent's official E1 code (the pinned commit, from an oracle folder outside the repository) holding "
+    "the seeded FP32 Profluent-layout snapshot the artifact is built from (`E1ForMaskedLM(E1Config(...))` and a "
+    "strict `load_state_dict`, as the goldens recipe builds it: Transformers 5's `from_pretrained` would leave the "
+    "official rotary tables uninitialised; the official code pins transformers<4.57): the README's "
+    "`E1BatchPreparer.get_batch_kwargs` on length-sorted batches under 2048 and 4096 padded tokens, and the "
+    "embedding cookbook's `E1Predictor` (BF16 autocast always, so a BF16 case only). On CPU the official code runs "
+    "its block-causal layers through uncompiled flex attention (its code compiles it on CUDA only). Every E1 case "
+    "embeds 64 residues untimed first and is rated end to end, as ANKH's.",
     "- **Outputs** are compared on the mean-pooled embeddings of the first 16 records (esm-cpp: the first "
     "4), which every engine embeds again after its timed run on the path it was timed on; ANKH: the first 4, "
-    "taken from the timed run itself.",
+    "taken from the timed run itself; E1: the first 16, taken from the timed run itself.",
     "- **GPU mode** (`--device cuda`, the default when CUDA is present) runs ESM2-650M dims in BF16: "
     "fastplms with sdpa, flex_attention, flash_attention_2 and flash_attention_3, compiled versus eager "
-    "(compile time and steady state listed apart), Transformers length-sorted and fair-esm, with peak GPU "
-    "memory. It has not been run for this page: the machine that produced these numbers has no GPU.",
+    "(compile time and steady state listed apart), padding-free `embed_dataset` versus our model's forward on "
+    "padded batches, Transformers `EsmModel` (sdpa) in input order and length-sorted (and once in FP32, the "
+    "output check's reference) and fair-esm, with peak GPU memory; see *GPU mode* above for whether it has run.",
 ]
 
 
