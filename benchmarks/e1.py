@@ -183,9 +183,9 @@ def e1_cases(args, oracle: dict) -> list[dict]:
 def load_official(snapshot: str | Path, model_class, config_class, torch):
     """The official `E1ForMaskedLM` holding the snapshot's weights, built as `tools/goldens/e1.py` builds it:
     `E1ForMaskedLM(E1Config(**config.json))` and a strict `load_state_dict`. Not `from_pretrained`: the official
-    code pins transformers<4.57, and Transformers 5's `from_pretrained` builds the model on the meta device, which
-    leaves the rotary tables the official attention computes in `__init__` (non-persistent `inv_freq`,
-    `cos_cached`, `sin_cached` buffers, in no checkpoint) uninitialised."""
+    code pins transformers<4.57, and under Transformers 5 `from_pretrained` leaves the rotary tables the official
+    attention computes in `__init__` (non-persistent `inv_freq`, `cos_cached`, `sin_cached` buffers, in no
+    checkpoint) uninitialised: measured, `inv_freq` wrong and `cos_cached` NaN, embeddings at cosine ~0.93."""
     import json
 
     from safetensors.torch import load_file

@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         "--records",
         type=int,
         default=None,
-        help="records per profile (default 400, ankh 8, dplm 64, e1 24; quick 48, ankh 4, dplm 16, e1 8)",
+        help="records per profile (default 400, ankh 8, dplm 48, e1 24; quick 48, ankh 4, dplm 16, e1 8)",
     )
     parser.add_argument(
         "--profile",
