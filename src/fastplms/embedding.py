@@ -326,10 +326,11 @@ def _check_pooling(pooling: str | Sequence[str], encoder: ResidueEncoder) -> tup
 # ---------------------------------------------------------------- driver
 
 # glibc mallopt parameters and the values embed_dataset sets: activation buffers up to 32 MiB (glibc's
-# largest mmap threshold) come from the heap, and freed heap memory is kept up to 1 GiB.
+# largest mmap threshold) come from the heap, and up to 256 MiB of freed memory at its top is kept. A 1 GiB
+# trim threshold was as fast but let fragmentation grow the peak: 1,002 vs 787 MB on a 250-record job.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD = 32 << 20
-_TRIM_THRESHOLD = 1 << 30
+_TRIM_THRESHOLD = 256 << 20
 
 
 @functools.cache
@@ -338,8 +339,8 @@ def reuse_freed_memory() -> bool:
 
     Every batch allocates the same few large activations (tens of MB each). glibc serves blocks of that
     size with fresh mmap()s and returns freed memory to the kernel, so each batch page-faults its activations
-    in anew: 0.5-0.8 million faults and 7-12% of the wall time of an ESM2-35M job on 2 cores (measured,
-    docs/benchmarks.md). Keeping them in the heap costs no peak memory (peak RSS unchanged within noise):
+    in anew: 0.5-1.7 million faults and 5-12% of the wall time of an ESM2-35M job on 2 cores (measured,
+    docs/embedding.md). With these values the peak is lower, not higher (787 vs 823 MB on a 250-record job):
     the next batch reuses the same memory. Other C libraries are left alone.
     """
     if not sys.platform.startswith("linux"):
