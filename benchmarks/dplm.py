@@ -97,7 +97,7 @@ def dplm_comparisons(data: dict) -> list[tuple[str, str, str]]:
     """DPLM has no numeric targets: fastplms default against Transformers' EsmModel at its best budget and in
     input order, per dtype, peak RSS at the same budget, and the FP32 output check (pooled panel, max relative
     error against the Transformers FP32 run, the harness's reference)."""
-    from benchmarks.report import _find, _num
+    from benchmarks.report import _find, _num, memory_and_output_rows
 
     results, rows = data["results"], []
     for dtype in ("float32", "bfloat16"):
@@ -119,24 +119,4 @@ def dplm_comparisons(data: dict) -> list[tuple[str, str, str]]:
                     "met" if value > 1 else "missed",
                 )
             )
-    ours = _find(results, engine="ours", label="fastplms default", dtype="float32")
-    same = _find(results, engine="transformers", batching="sorted", dtype="float32", budget=4096)
-    if ours and same and "peak_rss_mb" in ours[0]["summary"] and "peak_rss_mb" in same[0]["summary"]:
-        a, b = ours[0]["summary"]["peak_rss_mb"]["median"], same[0]["summary"]["peak_rss_mb"]["median"]
-        rows.append(
-            (
-                "peak RSS <= Transformers EsmModel length-sorted at the same budget (4096)",
-                f"{_num(a)} MB vs {_num(b)} MB",
-                "met" if a <= b else "missed",
-            )
-        )
-    if ours and ours[0]["summary"].get("max_rel_err_vs_transformers_fp32") is not None:
-        err = ours[0]["summary"]["max_rel_err_vs_transformers_fp32"]
-        rows.append(
-            (
-                "FP32 mean-pooled embeddings equal Transformers EsmModel's (max relative error <= 1e-5)",
-                f"{err:.1e}",
-                "met" if err <= 1e-5 else "missed",
-            )
-        )
-    return rows
+    return rows + memory_and_output_rows(results, "transformers", "Transformers EsmModel", "Transformers EsmModel's")

@@ -275,7 +275,7 @@ def e1_comparisons(data: dict) -> list[tuple[str, str, str]]:
     """E1 has no numeric targets: fastplms default against the official E1 in the same run, on end-to-end rates
     (every case is a few batches after an untimed warm-up), per dtype, peak RSS at the same budget, and the FP32
     output check against the official FP32 run (the harness's reference)."""
-    from benchmarks.report import _find, _num
+    from benchmarks.report import _find, _num, memory_and_output_rows
 
     def rate(row: dict) -> float:
         return row["summary"]["end_to_end_res_per_s"]["median"]
@@ -300,24 +300,4 @@ def e1_comparisons(data: dict) -> list[tuple[str, str, str]]:
                     "met" if value > 1 else "missed",
                 )
             )
-    ours = _find(results, engine="ours", label="fastplms default", dtype="float32")
-    same = _find(results, engine="e1-official", batching="sorted", dtype="float32", budget=4096)
-    if ours and same and "peak_rss_mb" in ours[0]["summary"] and "peak_rss_mb" in same[0]["summary"]:
-        a, b = ours[0]["summary"]["peak_rss_mb"]["median"], same[0]["summary"]["peak_rss_mb"]["median"]
-        rows.append(
-            (
-                "peak RSS <= the official E1 length-sorted at the same budget (4096)",
-                f"{_num(a)} MB vs {_num(b)} MB",
-                "met" if a <= b else "missed",
-            )
-        )
-    if ours and ours[0]["summary"].get("max_rel_err_vs_transformers_fp32") is not None:
-        err = ours[0]["summary"]["max_rel_err_vs_transformers_fp32"]
-        rows.append(
-            (
-                "FP32 mean-pooled embeddings equal the official E1's (max relative error <= 1e-5)",
-                f"{err:.1e}",
-                "met" if err <= 1e-5 else "missed",
-            )
-        )
-    return rows
+    return rows + memory_and_output_rows(results, "e1-official", "the official E1", "the official E1's")

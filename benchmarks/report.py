@@ -333,6 +333,33 @@ def _no_native_bf16(data: dict) -> str | None:
     return None
 
 
+def memory_and_output_rows(results: list[dict], engine: str, who: str, whose: str) -> list[tuple[str, str, str]]:
+    """A family comparison's last rows: fastplms default's peak RSS against `engine` length-sorted at 4096
+    (`who`), and its FP32 output check against that run's reference (`whose` embeddings)."""
+    rows = []
+    ours = _find(results, engine="ours", label="fastplms default", dtype="float32")
+    same = _find(results, engine=engine, batching="sorted", dtype="float32", budget=4096)
+    if ours and same and "peak_rss_mb" in ours[0]["summary"] and "peak_rss_mb" in same[0]["summary"]:
+        a, b = ours[0]["summary"]["peak_rss_mb"]["median"], same[0]["summary"]["peak_rss_mb"]["median"]
+        rows.append(
+            (
+                f"peak RSS <= {who} length-sorted at the same budget (4096)",
+                f"{_num(a)} MB vs {_num(b)} MB",
+                "met" if a <= b else "missed",
+            )
+        )
+    if ours and ours[0]["summary"].get("max_rel_err_vs_transformers_fp32") is not None:
+        err = ours[0]["summary"]["max_rel_err_vs_transformers_fp32"]
+        rows.append(
+            (
+                f"FP32 mean-pooled embeddings equal {whose} (max relative error <= 1e-5)",
+                f"{err:.1e}",
+                "met" if err <= 1e-5 else "missed",
+            )
+        )
+    return rows
+
+
 def esm2_targets(data: dict) -> list[tuple[str, str, str]]:
     """Issue 15's targets on one ESM2 record (every profile; the small job as whole processes)."""
     results, profile = data["results"], data["dataset"]["profile"]
